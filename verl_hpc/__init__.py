@@ -1,0 +1,27 @@
+"""verl-hpc: a Slurm/HPC launcher and checkpoint-resilient runtime for RL post-training of LLMs.
+
+The package is layered, data flowing one way: config -> launch -> runtime -> roles ->
+algo <-> data -> checkpoint -> metrics. Importing the package is cheap: heavy modules
+(torch, transformers) load only when the trainer is used.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from verl_hpc.config import ConfigError, RunConfig, load_config, load_resource_config
+
+__version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from verl_hpc.runtime.trainer import HybridTrainer
+
+__all__ = ["ConfigError", "HybridTrainer", "RunConfig", "__version__", "load_config", "load_resource_config"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "HybridTrainer":
+        from verl_hpc.runtime.trainer import HybridTrainer
+
+        return HybridTrainer
+    raise AttributeError(f"module 'verl_hpc' has no attribute {name!r}")

@@ -1,0 +1,103 @@
+"""`verl-hpc` (and `python -m verl_hpc`): one entry point, one subcommand per action.
+
+Why errors are caught here and nowhere else: a bad config must print exactly one line
+naming the field and the fix and exit 2, before any process, job or file is created;
+an unexpected failure still shows its traceback, because that is a bug to report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from verl_hpc import __version__
+from verl_hpc.config import ConfigError
+
+EXIT_CONFIG_ERROR = 2
+
+
+def _add_train(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help="run the RL loop on this machine (no Slurm)")
+    p.add_argument("config", help="run config YAML")
+    p.add_argument("overrides", nargs="*", help="Hydra-style key.path=value overrides")
+    p.add_argument("--run-dir", help="where outputs go (default: runs/run-<timestamp>)")
+    p.set_defaults(func=_cmd_train)
+
+
+def _add_config(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("config", help="inspect configs")
+    csub = p.add_subparsers(dest="config_cmd", required=True)
+    show = csub.add_parser("show", help="print the resolved, validated config as YAML")
+    show.add_argument("config")
+    show.add_argument("overrides", nargs="*")
+    show.set_defaults(func=_cmd_config_show)
+
+
+def _add_init_model(sub: argparse._SubParsersAction) -> None:
+    from verl_hpc.models.tiny import PRESETS
+
+    p = sub.add_parser("init-model", help="build a random-weight model + locally trained tokenizer")
+    p.add_argument("out_dir")
+    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--overwrite", action="store_true", help="replace a model built earlier in OUT_DIR")
+    p.set_defaults(func=_cmd_init_model)
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from verl_hpc.config import load_config
+    from verl_hpc.runtime.trainer import HybridTrainer
+
+    cfg = load_config(args.config, args.overrides)
+    result = HybridTrainer(cfg, run_dir=args.run_dir).train()
+    score = result.last_metrics.get("critic/score/mean")
+    print(f"run directory: {result.run_dir}")
+    print(f"steps: {result.steps}   final critic/score/mean: {score:.4f}" if score is not None else "")
+    print(f"tensorboard:   tensorboard --logdir {result.run_dir / 'tensorboard'}")
+    if result.hf_model_dir is not None:
+        print(f"trained model: {result.hf_model_dir}")
+    return 0
+
+
+def _cmd_config_show(args: argparse.Namespace) -> int:
+    from verl_hpc.config import dump_config, load_config
+
+    print(dump_config(load_config(args.config, args.overrides)), end="")
+    return 0
+
+
+def _cmd_init_model(args: argparse.Namespace) -> int:
+    from verl_hpc.models.tiny import init_model
+
+    try:
+        out = init_model(args.out_dir, preset=args.preset, seed=args.seed, overwrite=args.overwrite)
+    except FileExistsError as err:
+        raise ConfigError("out_dir", str(err)) from None
+    print(f"model and tokenizer ({args.preset}, seed {args.seed}) in {out}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="verl-hpc", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"verl-hpc {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_add_train, _add_config, _add_init_model):
+        add(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ConfigError as err:
+        print(f"verl-hpc: error: {err.one_line()}", file=sys.stderr)
+        return EXIT_CONFIG_ERROR
+    except KeyboardInterrupt:
+        print("verl-hpc: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

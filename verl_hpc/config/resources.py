@@ -1,0 +1,146 @@
+"""Per-role resources: where each role of the RL loop runs, locally or under Slurm.
+
+Why its own module: the seeds ship `resource_config.yaml` as a standalone file, and
+the same shape is the `resources:` section of a full run config, so one typed object
+serves both (`load_resource_config` reads the standalone file verbatim).
+
+Placement rules live here because they are facts about devices, not about training:
+a vLLM engine claims most of a GPU's memory, so no other role may share its devices
+unless it is the actor in `colocated` placement (the hybrid engine time-shares them).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from verl_hpc.config.base import StrictModel
+from verl_hpc.config.errors import FieldError
+
+ROLE_NAMES = ("actor", "critic", "ref", "reward", "rollout")
+Strategy = Literal["fsdp", "vllm", "hf", "none", "data_parallel"]
+
+# Which strategies make sense for which role (the error names the valid ones).
+VALID_STRATEGIES: dict[str, tuple[str, ...]] = {
+    "actor": ("fsdp", "hf"),
+    "critic": ("fsdp", "hf"),
+    "ref": ("fsdp", "hf", "none"),
+    "reward": ("none", "hf", "data_parallel"),
+    "rollout": ("hf", "vllm"),
+}
+
+
+class VllmArgs(StrictModel):
+    """The seeds' `vllm_args`, plus the knobs a CPU engine needs set explicitly."""
+
+    tensor_parallel_size: int = Field(1, ge=1)
+    gpu_memory_utilization: float = Field(0.85, gt=0.0, le=1.0)
+    enforce_eager: bool = False
+    max_model_len: int | None = Field(None, ge=1)
+    dtype: str = "auto"
+    seed: int = 0
+    kv_cache_space_gb: float | None = Field(None, gt=0.0)
+    enable_sleep_mode: bool = False
+
+
+class RoleResources(StrictModel):
+    """Devices and scheduler request for one role."""
+
+    device_type: Literal["cuda", "cpu"] = "cpu"
+    device_ids: list[int] = Field(default_factory=lambda: [0])
+    strategy: Strategy = "hf"
+    vllm_args: VllmArgs | None = None
+    # Slurm request for this role's hetjob component (ignored by `verl-hpc train`).
+    nodes: int = Field(1, ge=1)
+    tasks_per_node: int | None = Field(None, ge=1)
+    gpus_per_node: int | None = Field(None, ge=0)
+    cpus_per_task: int = Field(1, ge=1)
+    mem: str | None = None
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    constraint: str | None = None
+
+    @field_validator("device_ids")
+    @classmethod
+    def _ids_valid(cls, ids: list[int]) -> list[int]:
+        if not ids:
+            raise ValueError("must list at least one device id (e.g. [0])")
+        if any(i < 0 for i in ids):
+            raise ValueError(f"device ids must be >= 0, got {ids}")
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"device ids must be distinct, got {ids}")
+        return ids
+
+    @property
+    def world_size(self) -> int:
+        """Processes this role runs as on one machine: one per device slot."""
+        return len(self.device_ids)
+
+
+class ResourceConfig(StrictModel):
+    """All roles' resources plus the communication settings shared by the whole world."""
+
+    actor: RoleResources = Field(default_factory=lambda: RoleResources(strategy="hf"))
+    critic: RoleResources | None = None
+    ref: RoleResources | None = None
+    reward: RoleResources | None = None
+    rollout: RoleResources = Field(default_factory=lambda: RoleResources(strategy="hf"))
+    placement: Literal["colocated", "split"] = "colocated"
+    comm_backend: Literal["auto", "nccl", "gloo"] = "auto"
+    timeout_seconds: float = Field(180.0, gt=0.0)
+
+    @model_validator(mode="after")
+    def _check_roles(self) -> ResourceConfig:
+        for name in ROLE_NAMES:
+            role = getattr(self, name)
+            if role is None:
+                continue
+            valid = VALID_STRATEGIES[name]
+            if role.strategy not in valid:
+                raise FieldError(f"{name}.strategy", f"{role.strategy!r} is not valid for the {name} role",
+                                 f"use one of {', '.join(valid)}")
+            if role.vllm_args is not None and role.strategy != "vllm":
+                raise FieldError(f"{name}.vllm_args", f"only meaningful with strategy: vllm (this role "
+                                 f"has strategy: {role.strategy})", "remove vllm_args or set strategy: vllm")
+        self._check_overlaps()
+        return self
+
+    def _check_overlaps(self) -> None:
+        """A vLLM role owns its GPUs; only the colocated actor may time-share them."""
+        for name in ROLE_NAMES:
+            role = getattr(self, name)
+            if role is None or role.strategy != "vllm" or role.device_type != "cuda":
+                continue
+            for other_name in ROLE_NAMES:
+                other = getattr(self, other_name)
+                if other_name == name or other is None or other.device_type != "cuda":
+                    continue
+                if other_name in ("actor", "critic", "ref") and self.placement == "colocated":
+                    continue
+                shared = sorted(set(role.device_ids) & set(other.device_ids))
+                if shared:
+                    raise FieldError(
+                        f"{other_name}.device_ids", f"GPU(s) {shared} are also used by the vLLM {name} role, "
+                        "which reserves their memory", f"give {other_name} other devices or set placement: colocated")
+        if self.placement == "split":
+            rollout, actor = self.rollout, self.actor
+            if rollout.device_type == actor.device_type == "cuda":
+                shared = sorted(set(rollout.device_ids) & set(actor.device_ids))
+                if shared:
+                    raise FieldError("rollout.device_ids", f"GPU(s) {shared} are also the actor's, but "
+                                     "placement is split", "use other devices or placement: colocated")
+
+    def role(self, name: str) -> RoleResources | None:
+        if name not in ROLE_NAMES:
+            raise KeyError(f"unknown role {name!r}; roles are {', '.join(ROLE_NAMES)}")
+        return getattr(self, name)
+
+    def resolved_backend(self) -> str:
+        """nccl when any trainer role is on CUDA (unless told otherwise), else gloo."""
+        if self.comm_backend != "auto":
+            return self.comm_backend
+        on_cuda = any(r is not None and r.device_type == "cuda" for r in (self.actor, self.critic, self.ref))
+        return "nccl" if on_cuda else "gloo"
+

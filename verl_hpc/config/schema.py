@@ -1,0 +1,172 @@
+"""The run configuration: one typed object per concern, validated before anything starts.
+
+Why pydantic models rather than dicts: a typo or a wrong type in a 64-node job must fail
+on the login node in a second, naming the field, not an hour later in rank 37. Checks
+that span sections (batch divisible by group size, strategies that need a package)
+live in `RunConfig`'s validator so every entry point (CLI, Python API, Slurm) gets them.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from verl_hpc.config.base import StrictModel
+from verl_hpc.config.resources import ResourceConfig
+
+
+class TaskConfig(StrictModel):
+    """A built-in synthetic task that writes its own prompt file (see verl_hpc.data.tasks)."""
+
+    name: Literal["arithmetic"] = "arithmetic"
+    num_prompts: int = Field(512, ge=1)
+    max_operand: int = Field(4, ge=1, le=9)
+    seed: int = 0
+
+
+class ModelConfig(StrictModel):
+    """A local Hugging Face directory; with `init_preset` it is built there on first use."""
+
+    path: str
+    init_preset: str | None = None
+    init_seed: int = 0
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    critic_path: str | None = None
+
+
+class DataConfig(StrictModel):
+    """Prompts from Parquet/JSONL files, or from a built-in task."""
+
+    train_files: list[str] = Field(default_factory=list)
+    task: TaskConfig | None = None
+    prompt_key: str = "prompt"
+    answer_key: str = "ground_truth"
+    max_prompt_length: int = Field(64, ge=1)
+    shuffle: bool = True
+
+
+class RewardConfig(StrictModel):
+    """Either a rule-based `module:function` or a sequence-classification reward model."""
+
+    function: str | None = None
+    model_path: str | None = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> RewardConfig:
+        if (self.function is None) == (self.model_path is None):
+            raise ValueError("set exactly one of reward.function (module:function) or reward.model_path")
+        return self
+
+
+class SamplingConfig(StrictModel):
+    """How the rollout engine samples: n responses per prompt form one GRPO group."""
+
+    n: int = Field(8, ge=1)
+    temperature: float = Field(1.0, gt=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0)
+    max_new_tokens: int = Field(8, ge=1)
+    stop: list[str] = Field(default_factory=list)
+
+
+class KLConfig(StrictModel):
+    """KL to the frozen reference policy; `estimator: off` skips the ref role entirely."""
+
+    estimator: Literal["k1", "k2", "k3", "off"] = "k3"
+    coef: float = Field(0.001, ge=0.0)
+    in_reward: bool = False
+
+
+class AlgorithmConfig(StrictModel):
+    name: Literal["grpo", "ppo"] = "grpo"
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    kl: KLConfig = Field(default_factory=KLConfig)
+    clip_ratio_low: float = Field(0.2, gt=0.0)
+    clip_ratio_high: float = Field(0.2, gt=0.0)
+    entropy_coef: float = Field(0.0, ge=0.0)
+    value_clip: float | None = Field(0.2, gt=0.0)
+    gamma: float = Field(1.0, ge=0.0, le=1.0)
+    lam: float = Field(0.95, ge=0.0, le=1.0)
+    norm_adv_by_std: bool = True
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
+    ppo_epochs: int = Field(1, ge=1)
+    mini_batch_size: int | None = Field(None, ge=1, description="sequences per optimizer step")
+    micro_batch_size: int | None = Field(None, ge=1, description="sequences per forward pass")
+    critic_warmup_steps: int = Field(0, ge=0)
+    max_staleness: int = Field(0, ge=0)
+
+
+class OptimConfig(StrictModel):
+    lr: float = Field(1e-3, gt=0.0)
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = Field(0.0, ge=0.0)
+    grad_clip: float | None = Field(1.0, gt=0.0)
+    warmup_steps: int = Field(0, ge=0)
+    schedule: Literal["constant", "cosine"] = "constant"
+
+
+class TrainerConfig(StrictModel):
+    total_steps: int = Field(100, ge=1)
+    batch_size: int = Field(128, ge=1, description="sequences (prompts x sampling.n) per step")
+    seed: int = 0
+    actor_optim: OptimConfig = Field(default_factory=OptimConfig)
+    critic_optim: OptimConfig = Field(default_factory=OptimConfig)
+    save_hf_model: bool = True
+    torch_threads: int | None = Field(None, ge=1)
+
+
+class CheckpointConfig(StrictModel):
+    interval_steps: int | None = Field(None, ge=1)
+    interval_minutes: float | None = Field(None, gt=0.0)
+    keep_last: int = Field(2, ge=1)
+    keep_every: int | None = Field(None, ge=1)
+    async_save: bool = Field(True, alias="async")
+    resume: str = "auto"
+
+
+class LoggingConfig(StrictModel):
+    tensorboard: bool = True
+    log_every: int = Field(1, ge=1)
+    sample_every: int = Field(10, ge=1)
+    num_samples: int = Field(4, ge=0)
+    progress: Literal["auto", "bar", "lines", "off"] = "auto"
+    level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @field_validator("progress", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: object) -> object:
+        """YAML 1.1 reads a bare `off`/`on` as a boolean; take it as the user meant it."""
+        return {False: "off", True: "auto"}.get(value, value) if isinstance(value, bool) else value
+
+
+class SlurmConfig(StrictModel):
+    time: str = "01:00:00"
+    job_name: str = "verl-hpc"
+    requeue: bool = True
+    signal_grace_seconds: int = Field(120, ge=1)
+    max_requeues: int = Field(5, ge=0)
+    setup: list[str] = Field(default_factory=list)
+    folder: str = "slurm_jobs/%j"
+
+
+class RunConfig(StrictModel):
+    """Everything one run needs; `run_dir` is filled from the CLI when not given."""
+
+    model: ModelConfig
+    data: DataConfig = Field(default_factory=DataConfig)
+    reward: RewardConfig
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    resources: ResourceConfig = Field(default_factory=ResourceConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    slurm: SlurmConfig = Field(default_factory=SlurmConfig)
+    run_dir: str | None = None
+
+    @model_validator(mode="after")
+    def _cross_checks(self) -> RunConfig:
+        from verl_hpc.config.checks import cross_check
+
+        cross_check(self)
+        return self

@@ -1,0 +1,191 @@
+"""The rollout batch: one Arrow schema every stage reads and writes.
+
+Why Arrow: rollouts cross process and node boundaries (Flight), land in checkpoints
+(IPC files) and feed trainers; one columnar layout with variable-length token lists
+serves all three without pickling. Per-token columns are `list<float32>`: their flat
+value buffers are viewed by numpy and torch without a copy, and turning them into a
+padded `[B, T]` tensor is a single scatter (`padded`) — the one copy the trainer needs.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import torch
+
+TOKEN_FLOAT_COLUMNS = ("rollout_logprobs", "old_logprobs", "ref_logprobs", "values",
+                       "token_rewards", "advantages", "returns")
+
+SCHEMA = pa.schema([
+    pa.field("prompt_index", pa.int64(), nullable=False),
+    pa.field("group_id", pa.int64(), nullable=False),
+    pa.field("policy_version", pa.int64(), nullable=False),
+    pa.field("prompt_ids", pa.list_(pa.int32()), nullable=False),
+    pa.field("response_ids", pa.list_(pa.int32()), nullable=False),
+    pa.field("ground_truth", pa.string()),
+    pa.field("score", pa.float32()),
+    *[pa.field(name, pa.list_(pa.float32())) for name in TOKEN_FLOAT_COLUMNS],
+])
+
+
+class SchemaError(ValueError):
+    """A batch or file does not match SCHEMA; the message names the column."""
+
+
+def validate(batch: pa.RecordBatch) -> None:
+    for field in SCHEMA:
+        if field.name not in batch.schema.names:
+            raise SchemaError(f"rollout batch: column {field.name!r} is missing")
+        got = batch.schema.field(field.name).type
+        if got != field.type:
+            raise SchemaError(f"rollout batch: column {field.name!r} has type {got}, expected {field.type}")
+        if not field.nullable and batch.column(field.name).null_count:
+            raise SchemaError(f"rollout batch: column {field.name!r} has nulls")
+    resp_lens = _lengths(batch.column("response_ids"))
+    for name in TOKEN_FLOAT_COLUMNS:
+        col = batch.column(name)
+        if col.null_count == 0 and not np.array_equal(_lengths(col), resp_lens):
+            raise SchemaError(f"rollout batch: column {name!r} lengths differ from response_ids")
+
+
+def _lengths(col: pa.Array) -> np.ndarray:
+    offsets = col.offsets.to_numpy()
+    return np.diff(offsets)
+
+
+def _ragged(rows: Sequence[Sequence[int]] | Sequence[np.ndarray], dtype: pa.DataType) -> pa.ListArray:
+    lengths = np.fromiter((len(r) for r in rows), dtype=np.int32, count=len(rows))
+    offsets = np.zeros(len(rows) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    flat = np.concatenate([np.asarray(r) for r in rows]) if len(rows) else np.zeros(0)
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat.astype(dtype.to_pandas_dtype())))
+
+
+def ragged_from_padded(values: torch.Tensor, lengths: np.ndarray) -> pa.ListArray:
+    """Valid prefix of each row of a padded [B, T] tensor -> list<float32>."""
+    mask = torch.arange(values.shape[1]) < torch.as_tensor(lengths)[:, None]
+    flat = values.detach().to(torch.float32).cpu()[mask].numpy()
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=offsets[1:])
+    return pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat))
+
+
+def padded(col: pa.ListArray, width: int | None = None, pad: float = 0, left: bool = False,
+           dtype: torch.dtype | None = None) -> torch.Tensor:
+    """list<T> column -> padded [B, width] tensor in one scatter (right- or left-aligned)."""
+    offsets = col.offsets.to_numpy()
+    lengths = np.diff(offsets)
+    with warnings.catch_warnings():  # Arrow buffers are read-only; we only read them
+        warnings.simplefilter("ignore", UserWarning)
+        flat = torch.from_numpy(col.values.to_numpy(zero_copy_only=False))
+    flat = flat[offsets[0]:offsets[-1]]
+    width = int(lengths.max(initial=0)) if width is None else width
+    out = torch.full((len(lengths), width), pad, dtype=dtype or flat.dtype)
+    rows = torch.repeat_interleave(torch.arange(len(lengths)), torch.from_numpy(lengths))
+    within = torch.arange(len(flat)) - torch.repeat_interleave(torch.from_numpy(offsets[:-1] - offsets[0]),
+                                                               torch.from_numpy(lengths))
+    cols = within + torch.from_numpy(width - lengths).repeat_interleave(torch.from_numpy(lengths)) if left \
+        else within
+    out[rows, cols] = flat.to(out.dtype)
+    return out
+
+
+class RolloutBatch:
+    """A thin, immutable-by-convention wrapper around one `pa.RecordBatch` with SCHEMA."""
+
+    def __init__(self, record_batch: pa.RecordBatch, check: bool = True):
+        if check:
+            validate(record_batch)
+        self.record_batch = record_batch
+
+    @classmethod
+    def from_generation(cls, prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]],
+                        rollout_logprobs: Sequence[Sequence[float]] | None, group_ids: Sequence[int],
+                        prompt_index: Sequence[int], ground_truth: Sequence[str | None],
+                        policy_version: int) -> RolloutBatch:
+        n = len(prompt_ids)
+        columns: dict[str, Any] = {
+            "prompt_index": pa.array(prompt_index, pa.int64()),
+            "group_id": pa.array(group_ids, pa.int64()),
+            "policy_version": pa.array(np.full(n, policy_version, dtype=np.int64)),
+            "prompt_ids": _ragged(prompt_ids, pa.int32()),
+            "response_ids": _ragged(response_ids, pa.int32()),
+            "ground_truth": pa.array(list(ground_truth), pa.string()),
+            "score": pa.nulls(n, pa.float32()),
+        }
+        for name in TOKEN_FLOAT_COLUMNS:
+            columns[name] = pa.nulls(n, pa.list_(pa.float32()))
+        if rollout_logprobs is not None:
+            columns["rollout_logprobs"] = _ragged(rollout_logprobs, pa.float32())
+        return cls(pa.RecordBatch.from_arrays([columns[f.name] for f in SCHEMA], schema=SCHEMA))
+
+    def __len__(self) -> int:
+        return self.record_batch.num_rows
+
+    def column(self, name: str) -> pa.Array:
+        return self.record_batch.column(name)
+
+    def has(self, name: str) -> bool:
+        return self.column(name).null_count < len(self)
+
+    def with_columns(self, **columns: pa.Array | np.ndarray | torch.Tensor) -> RolloutBatch:
+        """A new batch with columns replaced; per-token tensors are [B, R] padded."""
+        arrays = {f.name: self.record_batch.column(f.name) for f in SCHEMA}
+        lengths = self.response_lengths()
+        for name, value in columns.items():
+            if name in TOKEN_FLOAT_COLUMNS and isinstance(value, torch.Tensor):
+                arrays[name] = ragged_from_padded(value, lengths)
+            elif isinstance(value, torch.Tensor):
+                arrays[name] = pa.array(value.detach().cpu().numpy(), SCHEMA.field(name).type)
+            elif isinstance(value, np.ndarray):
+                arrays[name] = pa.array(value, SCHEMA.field(name).type)
+            else:
+                arrays[name] = value
+        return RolloutBatch(pa.RecordBatch.from_arrays([arrays[f.name] for f in SCHEMA], schema=SCHEMA))
+
+    def response_lengths(self) -> np.ndarray:
+        return _lengths(self.column("response_ids"))
+
+    def take(self, indices: Sequence[int] | np.ndarray) -> RolloutBatch:
+        return RolloutBatch(self.record_batch.take(pa.array(np.asarray(indices, dtype=np.int64))), check=False)
+
+    def token_tensor(self, name: str, width: int) -> torch.Tensor:
+        """A per-token float column as a right-padded [B, width] tensor."""
+        return padded(self.column(name), width, pad=0.0, dtype=torch.float32)
+
+    def scores(self) -> torch.Tensor:
+        return torch.from_numpy(self.column("score").to_numpy(zero_copy_only=False).astype(np.float32))
+
+    def model_inputs(self, pad_id: int) -> dict[str, torch.Tensor]:
+        """[pad.. prompt | response ..pad] token ids, masks and positions for one forward pass."""
+        prompts = padded(self.column("prompt_ids"), pad=pad_id, left=True, dtype=torch.long)
+        responses = padded(self.column("response_ids"), pad=pad_id, dtype=torch.long)
+        prompt_lens = torch.from_numpy(_lengths(self.column("prompt_ids")).astype(np.int64))
+        width = prompts.shape[1]
+        prompt_mask = (torch.arange(width) >= (width - prompt_lens)[:, None]).long()
+        resp_lens = torch.from_numpy(self.response_lengths().astype(np.int64))
+        response_mask = (torch.arange(responses.shape[1]) < resp_lens[:, None]).long()
+        attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
+        position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+        return {"input_ids": torch.cat([prompts, responses], dim=1), "attention_mask": attention_mask,
+                "position_ids": position_ids, "response_mask": response_mask.float()}
+
+    def to_ipc(self) -> bytes:
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_stream(sink, SCHEMA) as writer:
+            writer.write_batch(self.record_batch)
+        return sink.getvalue().to_pybytes()
+
+    @classmethod
+    def from_ipc(cls, data: bytes) -> RolloutBatch:
+        reader = pa.ipc.open_stream(pa.py_buffer(data))
+        batches = list(reader)
+        return cls(pa.concat_batches(batches) if len(batches) != 1 else batches[0])
+
+    @classmethod
+    def concat(cls, batches: Sequence[RolloutBatch]) -> RolloutBatch:
+        return cls(pa.concat_batches([b.record_batch for b in batches]), check=False)

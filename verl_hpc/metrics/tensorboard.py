@@ -1,0 +1,51 @@
+"""Metrics sinks: TensorBoard event files plus a JSONL file any tool can read.
+
+Why both: TensorBoard is what people look at; the JSONL twin (one line per step, written
+by the same call) is what tests, benchmarks and resume-equality checks compare
+without parsing protobufs. Metric names follow verl's (`actor/pg_loss`, ...).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+
+class MetricsLogger:
+    def __init__(self, log_dir: str | Path, tensorboard: bool = True, purge_step: int | None = None):
+        self.log_dir = Path(log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._writer = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # purge_step drops events at/after it: a resumed run never shows a step twice.
+            self._writer = SummaryWriter(str(self.log_dir), purge_step=purge_step)
+        self._jsonl = open(self.log_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115
+
+    def log_scalars(self, step: int, metrics: dict[str, float]) -> None:
+        clean = {k: float(v) for k, v in metrics.items() if v is not None and math.isfinite(float(v))}
+        if self._writer is not None:
+            for name, value in clean.items():
+                self._writer.add_scalar(name, value, global_step=step)
+        self._jsonl.write(json.dumps({"step": step, **clean}) + "\n")
+
+    def log_text(self, step: int, tag: str, text: str) -> None:
+        if self._writer is not None:
+            self._writer.add_text(tag, text, global_step=step)
+
+    def flush(self) -> None:
+        if self._writer is not None:
+            self._writer.flush()
+        self._jsonl.flush()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+        self._jsonl.close()
+
+
+def read_jsonl_metrics(path: str | Path) -> list[dict[str, float]]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]

@@ -1,0 +1,141 @@
+"""The actor: the policy being trained, its optimizer and LR schedule, and the PPO update.
+
+Why old logprobs may come from the training forward itself: with one mini-batch and one
+epoch, the policy that produced the rollout (synced every step) is exactly the one being
+differentiated, so `old = logprobs.detach()` is the same number a separate no-grad pass
+would compute — one forward saved per step. With several mini-batches or epochs the
+weights move between them, so the old logprobs are computed up front instead.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from verl_hpc.algo import aggregate_loss, kl_penalty, masked_mean, policy_loss
+from verl_hpc.config import AlgorithmConfig
+from verl_hpc.config.schema import OptimConfig
+from verl_hpc.roles.forward import batched_logprobs, micro_batches, response_logprobs
+
+
+def build_optimizer(params, cfg: OptimConfig, total_steps: int):
+    """AdamW and a per-step LR schedule (linear warm-up, then constant or cosine)."""
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+
+    def factor(step: int) -> float:
+        if cfg.warmup_steps and step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        if cfg.schedule == "cosine":
+            span = max(1, total_steps - cfg.warmup_steps)
+            progress = min(1.0, (step - cfg.warmup_steps) / span)
+            return 0.5 * (1.0 + math.cos(math.pi * progress))
+        return 1.0
+
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+@dataclass
+class UpdatePlan:
+    """How one step's batch is cut: mini-batches per optimizer step, micro per forward."""
+
+    mini_batch_size: int
+    micro_batch_size: int
+    epochs: int
+
+    @classmethod
+    def from_config(cls, algo: AlgorithmConfig, batch_size: int) -> UpdatePlan:
+        mini = algo.mini_batch_size or batch_size
+        return cls(mini, algo.micro_batch_size or mini, algo.ppo_epochs)
+
+    def single_pass(self, batch_size: int) -> bool:
+        return self.epochs == 1 and self.mini_batch_size >= batch_size
+
+
+def micro_weight(mask: torch.Tensor, total_tokens: torch.Tensor, total_rows: int, agg_mode: str) -> float:
+    """A micro-batch's share of its mini-batch, so accumulated gradients equal one big batch."""
+    if agg_mode == "token-mean":
+        return float(mask.sum() / total_tokens)
+    return mask.shape[0] / total_rows
+
+
+class Actor:
+    def __init__(self, model: torch.nn.Module, algo: AlgorithmConfig, optim: OptimConfig, total_steps: int):
+        self.model = model
+        self.algo = algo
+        self.optim_cfg = optim
+        self.optimizer, self.scheduler = build_optimizer(model.parameters(), optim, total_steps)
+
+    def compute_logprobs(self, inputs: dict[str, torch.Tensor], micro_batch_size: int) -> torch.Tensor:
+        return batched_logprobs(self.model, inputs, self.algo.sampling.temperature, micro_batch_size)
+
+    def update(self, inputs: dict[str, torch.Tensor], plan: UpdatePlan) -> dict[str, float]:
+        """PPO epochs over shuffled mini-batches; returns step-averaged metrics."""
+        batch_size = inputs["input_ids"].shape[0]
+        reuse_forward = plan.single_pass(batch_size) and "old_logprobs" not in inputs
+        totals: dict[str, float] = {}
+        count = 0
+        self.model.train()
+        for _ in range(plan.epochs):
+            order = torch.randperm(batch_size) if plan.mini_batch_size < batch_size else torch.arange(batch_size)
+            for start in range(0, batch_size, plan.mini_batch_size):
+                idx = order[start:start + plan.mini_batch_size]
+                mini = {k: v[idx] for k, v in inputs.items()}
+                stats = self._optimizer_step(mini, plan.micro_batch_size, reuse_forward)
+                for k, v in stats.items():
+                    totals[k] = totals.get(k, 0.0) + v
+                count += 1
+        self.scheduler.step()
+        return {k: v / count for k, v in totals.items()}
+
+    def _optimizer_step(self, mini: dict[str, torch.Tensor], micro_size: int, reuse_forward: bool) -> dict[str, float]:
+        algo = self.algo
+        self.optimizer.zero_grad(set_to_none=True)
+        total_tokens = mini["response_mask"].sum().clamp(min=1)
+        total_rows = mini["response_mask"].shape[0]
+        sums = {"pg_loss": 0.0, "entropy": 0.0, "kl_loss": 0.0, "pg_clipfrac": 0.0, "ppo_kl": 0.0}
+        for micro in micro_batches(mini, micro_size):
+            mask = micro["response_mask"]
+            weight = micro_weight(mask, total_tokens, total_rows, algo.loss_agg_mode)
+            logprobs, entropy = response_logprobs(self.model, micro, algo.sampling.temperature,
+                                                  with_entropy=True)
+            old = logprobs.detach() if reuse_forward else micro["old_logprobs"]
+            pg, pg_stats = policy_loss(logprobs, old, micro["advantages"], mask, algo.clip_ratio_low,
+                                       algo.clip_ratio_high, algo.loss_agg_mode)
+            loss = pg
+            ent = masked_mean(entropy, mask)
+            if algo.entropy_coef > 0:
+                loss = loss - algo.entropy_coef * ent
+            kl_value = torch.zeros(())
+            if "ref_logprobs" in micro and not algo.kl.in_reward:
+                kl_mat = kl_penalty(logprobs, micro["ref_logprobs"], algo.kl.estimator)
+                kl_value = aggregate_loss(kl_mat, mask, algo.loss_agg_mode)
+                loss = loss + algo.kl.coef * kl_value
+            (loss * weight).backward()
+            for key, value in (("pg_loss", pg), ("entropy", ent), ("kl_loss", kl_value),
+                               ("pg_clipfrac", pg_stats["clipfrac"]), ("ppo_kl", pg_stats["approx_kl"])):
+                sums[key] += float(value.detach()) * weight
+        grad_norm = self._clip_and_step()
+        return {**sums, "grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0]}
+
+    def _clip_and_step(self) -> float:
+        max_norm = self.optim_cfg.grad_clip or float("inf")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
+        else:  # a non-finite gradient would poison the weights: skip this step, keep training
+            self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm
+
+    def state_dict(self) -> dict:
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+
+    def old_logprobs_needed(self, plan: UpdatePlan, batch_size: int) -> bool:
+        return not plan.single_pass(batch_size)

@@ -1,0 +1,97 @@
+"""The critic (PPO): a value head on a causal-LM backbone, trained to predict returns.
+
+Why a backbone + linear head built here rather than a sequence-classification class:
+it works for any causal LM directory (the actor's own, by default), and its state dict
+is just the backbone's plus two tensors, which DCP shards like any other module.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from verl_hpc.algo import value_loss
+from verl_hpc.config import AlgorithmConfig
+from verl_hpc.config.schema import OptimConfig
+from verl_hpc.roles.actor import UpdatePlan, build_optimizer, micro_weight
+from verl_hpc.roles.forward import micro_batches
+
+
+class ValueModel(nn.Module):
+    def __init__(self, backbone: nn.Module, hidden_size: int):
+        super().__init__()
+        self.backbone = backbone
+        self.value_head = nn.Linear(hidden_size, 1)
+        # Fan-in init (values ~ unit scale at start), as a fresh regression head would be:
+        # the first losses show how far the untrained critic is, and their fall shows it learning.
+        nn.init.normal_(self.value_head.weight, std=hidden_size ** -0.5)
+        nn.init.zeros_(self.value_head.bias)
+
+    @classmethod
+    def from_pretrained(cls, path: str, dtype: torch.dtype = torch.float32) -> ValueModel:
+        from transformers import AutoModel
+
+        backbone = AutoModel.from_pretrained(path, dtype=dtype)
+        return cls(backbone, backbone.config.hidden_size)
+
+    def forward(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Values of the states before each response token, [B, R]."""
+        resp_len = inputs["response_mask"].shape[1]
+        hidden = self.backbone(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
+                               position_ids=inputs["position_ids"], use_cache=False).last_hidden_state
+        return self.value_head(hidden[:, -resp_len - 1:-1, :]).squeeze(-1).float()
+
+
+class Critic:
+    def __init__(self, model: ValueModel, algo: AlgorithmConfig, optim: OptimConfig, total_steps: int):
+        self.model = model
+        self.algo = algo
+        self.optim_cfg = optim
+        self.optimizer, self.scheduler = build_optimizer(model.parameters(), optim, total_steps)
+
+    @torch.no_grad()
+    def compute_values(self, inputs: dict[str, torch.Tensor], micro_batch_size: int) -> torch.Tensor:
+        self.model.eval()
+        return torch.cat([self.model(mb) for mb in micro_batches(inputs, micro_batch_size)], dim=0)
+
+    def update(self, inputs: dict[str, torch.Tensor], plan: UpdatePlan) -> dict[str, float]:
+        batch_size = inputs["input_ids"].shape[0]
+        self.model.train()
+        sums = {"vf_loss": 0.0, "vf_clipfrac": 0.0}
+        count = 0
+        for _ in range(plan.epochs):
+            order = torch.randperm(batch_size) if plan.mini_batch_size < batch_size else torch.arange(batch_size)
+            for start in range(0, batch_size, plan.mini_batch_size):
+                mini = {k: v[order[start:start + plan.mini_batch_size]] for k, v in inputs.items()}
+                for key, value in self._optimizer_step(mini, plan.micro_batch_size).items():
+                    sums[key] = sums.get(key, 0.0) + value
+                count += 1
+        self.scheduler.step()
+        return {k: v / count for k, v in sums.items()}
+
+    def _optimizer_step(self, mini: dict[str, torch.Tensor], micro_size: int) -> dict[str, float]:
+        self.optimizer.zero_grad(set_to_none=True)
+        total_tokens = mini["response_mask"].sum().clamp(min=1)
+        sums = {"vf_loss": 0.0, "vf_clipfrac": 0.0}
+        for micro in micro_batches(mini, micro_size):
+            mask = micro["response_mask"]
+            weight = micro_weight(mask, total_tokens, mini["response_mask"].shape[0], self.algo.loss_agg_mode)
+            values = self.model(micro)
+            loss, stats = value_loss(values, micro["values"], micro["returns"], mask, self.algo.value_clip,
+                                     self.algo.loss_agg_mode)
+            (loss * weight).backward()
+            sums["vf_loss"] += float(loss.detach()) * weight
+            sums["vf_clipfrac"] += float(stats["vf_clipfrac"]) * weight
+        max_norm = self.optim_cfg.grad_clip or float("inf")
+        sums["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+        self.optimizer.step()
+        return sums
+
+    def state_dict(self) -> dict:
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])

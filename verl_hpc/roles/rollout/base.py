@@ -1,0 +1,43 @@
+"""The rollout-engine interface: token ids in, sampled token ids and their logprobs out.
+
+Why token ids and not text: re-tokenising decoded text drifts (merges differ), and the
+trainer must score exactly the tokens that were sampled. Engines also take versioned
+weights, so every rollout can be stamped with the policy version that produced it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from verl_hpc.config import SamplingConfig
+
+
+@dataclass
+class Generation:
+    """One sampled response per input prompt, EOS included when it was produced."""
+
+    response_ids: list[list[int]]
+    logprobs: list[list[float]]
+
+
+class RolloutEngine(Protocol):
+    policy_version: int
+
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig) -> Generation:
+        """Sample one response for each prompt (repeat prompts for n samples)."""
+        ...
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Replace the engine's weights in place and record the policy version."""
+        ...
+
+    def sleep(self) -> None:
+        """Release memory not needed while the trainer runs (KV cache, weights)."""
+        ...
+
+    def wake_up(self) -> None:
+        ...

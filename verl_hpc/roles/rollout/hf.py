@@ -1,0 +1,73 @@
+"""Rollouts with Hugging Face `generate`: the backend that works everywhere, CPU included.
+
+Why it can share the actor's module: in the embedded (single-process, colocated)
+runtime the engine holds the very `nn.Module` the actor trains, so a weight sync is free
+and exact; in split placement it holds its own copy and `load_weights` copies into it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from verl_hpc.config import SamplingConfig
+from verl_hpc.roles.rollout.base import Generation
+
+
+class HFRolloutEngine:
+    def __init__(self, model: torch.nn.Module, tokenizer, device: torch.device | str = "cpu"):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.device = torch.device(device)
+        self.pad_id = tokenizer.pad_token_id
+        self.eos_id = tokenizer.eos_token_id
+        self.policy_version = 0
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig) -> Generation:
+        width = max(len(p) for p in prompt_ids)
+        input_ids = torch.full((len(prompt_ids), width), self.pad_id, dtype=torch.long)
+        attention = torch.zeros_like(input_ids)
+        for row, ids in enumerate(prompt_ids):
+            input_ids[row, width - len(ids):] = torch.as_tensor(ids)
+            attention[row, width - len(ids):] = 1
+        was_training = self.model.training
+        self.model.eval()
+        out = self.model.generate(
+            input_ids=input_ids.to(self.device), attention_mask=attention.to(self.device),
+            do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or None,
+            max_new_tokens=sampling.max_new_tokens, pad_token_id=self.pad_id, eos_token_id=self.eos_id,
+            output_logits=True, return_dict_in_generate=True,
+            stop_strings=sampling.stop or None, tokenizer=self.tokenizer if sampling.stop else None,
+        )
+        self.model.train(was_training)
+        tokens = out.sequences[:, width:].cpu()
+        logits = torch.stack(out.logits, dim=1).float().cpu() / sampling.temperature
+        logprobs = torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        return _trim(tokens, logprobs, self.eos_id)
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        params = dict(self.model.named_parameters())
+        with torch.no_grad():
+            for name, tensor in named_tensors:
+                params[name].copy_(tensor)
+        self.policy_version = version
+
+    def sleep(self) -> None:  # nothing to release: HF generate keeps no cache between calls
+        pass
+
+    def wake_up(self) -> None:
+        pass
+
+
+def _trim(tokens: torch.Tensor, logprobs: torch.Tensor, eos_id: int) -> Generation:
+    """Cut each row after its first EOS (kept: emitting it was an action)."""
+    is_eos = tokens == eos_id
+    has_eos = is_eos.any(dim=1)
+    first_eos = torch.where(has_eos, is_eos.int().argmax(dim=1), torch.full_like(has_eos, tokens.shape[1] - 1,
+                                                                                  dtype=torch.long))
+    lengths = (first_eos + 1).tolist()
+    token_rows, lp_rows = tokens.tolist(), logprobs.tolist()
+    return Generation([r[:n] for r, n in zip(token_rows, lengths, strict=True)],
+                      [r[:n] for r, n in zip(lp_rows, lengths, strict=True)])

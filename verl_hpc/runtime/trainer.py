@@ -1,0 +1,194 @@
+"""The RL loop: generate -> score -> ref/old logprobs -> values -> advantages -> update.
+
+Why the loop is this short: every decision about *where* things run lives in the
+components and (later) the distributed runtime; this file is the algorithm a reader
+checks against the GRPO and PPO papers. `HybridTrainer` is also the Python API of the
+seeds: `HybridTrainer(actor_model=..., reward_model=..., config=...).train()`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from verl_hpc.algo import gae_advantages, grpo_advantages, kl_penalty, token_level_rewards
+from verl_hpc.config import RunConfig, dump_config, load_config
+from verl_hpc.data.prompts import PromptSampler
+from verl_hpc.data.rollout_batch import RolloutBatch
+from verl_hpc.metrics import MetricsLogger, Progress, memory_metrics
+from verl_hpc.roles.actor import UpdatePlan
+from verl_hpc.roles.forward import batched_logprobs, to_device
+from verl_hpc.runtime.components import Components, build_components
+from verl_hpc.runtime.run_dir import prepare_run_dir
+from verl_hpc.runtime.step_metrics import data_metrics, perf_metrics, prefixed
+from verl_hpc.utils.logging import get_logger, setup_logging
+
+log = get_logger("trainer")
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    steps: int
+    hf_model_dir: Path | None
+    last_metrics: dict[str, float] = field(default_factory=dict)
+
+
+class Timer:
+    """Collects `timing_s/<name>` for one step."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        start = time.perf_counter()
+        yield
+        self.seconds[f"timing_s/{name}"] = self.seconds.get(f"timing_s/{name}", 0.0) + time.perf_counter() - start
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+class HybridTrainer:
+    def __init__(self, config: RunConfig | str | Path | dict[str, Any], actor_model: Any = None,
+                 reward_model: Any = None, run_dir: str | Path | None = None, overrides: list[str] | None = None):
+        if isinstance(config, RunConfig):
+            self.config = config if not overrides else load_config(data=config.model_dump(by_alias=True),
+                                                                   overrides=overrides)
+        elif isinstance(config, dict):
+            self.config = load_config(data=config, overrides=overrides)
+        else:
+            self.config = load_config(config, overrides=overrides)
+        self._actor_model, self._reward_model = actor_model, reward_model
+        self.run_dir = prepare_run_dir(run_dir or self.config.run_dir, self.config)
+        self.step = 0
+        self.policy_version = 0
+
+    def train(self) -> TrainResult:
+        cfg = self.config
+        setup_logging(self.run_dir / "logs", "trainer", 0, cfg.logging.level)
+        if cfg.trainer.torch_threads:
+            torch.set_num_threads(cfg.trainer.torch_threads)
+        seed_everything(cfg.trainer.seed)
+        (self.run_dir / "config.yaml").write_text(dump_config(cfg))
+        comps = build_components(cfg, self.run_dir, self._actor_model, self._reward_model)
+        self.components = comps
+        prompts_per_step = cfg.trainer.batch_size // cfg.algorithm.sampling.n
+        self.sampler = PromptSampler(len(comps.dataset), prompts_per_step, cfg.trainer.seed, cfg.data.shuffle)
+        logger = MetricsLogger(self.run_dir / "tensorboard", cfg.logging.tensorboard, purge_step=self.step + 1)
+        progress = Progress(cfg.trainer.total_steps, self.step, cfg.logging.progress)
+        log.info("training %s for %d steps in %s", cfg.algorithm.name, cfg.trainer.total_steps, self.run_dir)
+        metrics: dict[str, float] = {}
+        try:
+            while self.step < cfg.trainer.total_steps:
+                self.step += 1
+                metrics = self.train_step(comps, logger)
+                if self.step % cfg.logging.log_every == 0 or self.step == cfg.trainer.total_steps:
+                    logger.log_scalars(self.step, metrics)
+                progress.update(self.step, {"score": metrics["critic/score/mean"],
+                                            "s/step": metrics["timing_s/step"]})
+        finally:
+            progress.close()
+            logger.close()
+        hf_dir = self.save_hf_model(comps) if cfg.trainer.save_hf_model else None
+        log.info("done: %d steps, final score %.4f", self.step, metrics.get("critic/score/mean", float("nan")))
+        return TrainResult(self.run_dir, self.step, hf_dir, metrics)
+
+    def train_step(self, comps: Components, logger: MetricsLogger) -> dict[str, float]:
+        cfg, timer = self.config, Timer()
+        with timer("step"):
+            with timer("gen"):
+                batch = self.generate(comps)
+            with timer("reward"):
+                batch = batch.with_columns(score=comps.reward.score(batch))
+            inputs = to_device(batch.model_inputs(comps.tokenizer.pad_token_id), comps.device)
+            self.add_logprobs_and_values(comps, inputs, timer)
+            with timer("adv"):
+                self.add_advantages(batch, inputs)
+            batch = batch.with_columns(**{k: inputs[k] for k in ("advantages", "returns", "ref_logprobs",
+                                                                  "old_logprobs", "values") if k in inputs})
+            plan = UpdatePlan.from_config(cfg.algorithm, len(batch))
+            train_metrics: dict[str, float] = {}
+            if comps.critic is not None:
+                with timer("update_critic"):
+                    train_metrics.update(prefixed("critic", comps.critic.update(inputs, plan)))
+            if self.step > cfg.algorithm.critic_warmup_steps:
+                with timer("update_actor"):
+                    train_metrics.update(prefixed("actor", comps.actor.update(inputs, plan)))
+                with timer("update_weights"):
+                    self.sync_weights(comps)
+        if self.step % cfg.logging.sample_every == 0 and cfg.logging.num_samples:
+            logger.log_text(self.step, "samples", self.samples_text(comps, batch))
+        return {**data_metrics(batch.scores(), inputs, cfg.algorithm.sampling.max_new_tokens),
+                **train_metrics, **timer.seconds, **perf_metrics(inputs, timer.seconds["timing_s/step"]),
+                **memory_metrics(comps.device), "actor/policy_version": float(self.policy_version)}
+
+    def generate(self, comps: Components) -> RolloutBatch:
+        n = self.config.algorithm.sampling.n
+        indices = self.sampler.next_indices()
+        prompt_ids = [comps.prompt_ids[i] for i in indices for _ in range(n)]
+        out = comps.rollout.generate(prompt_ids, self.config.algorithm.sampling)
+        return RolloutBatch.from_generation(
+            prompt_ids, out.response_ids, out.logprobs,
+            group_ids=[g for g in range(len(indices)) for _ in range(n)],
+            prompt_index=[i for i in indices for _ in range(n)],
+            ground_truth=[comps.dataset.answers[i] for i in indices for _ in range(n)],
+            policy_version=comps.rollout.policy_version)
+
+    def add_logprobs_and_values(self, comps: Components, inputs: dict[str, torch.Tensor], timer: Timer) -> None:
+        algo = self.config.algorithm
+        plan = UpdatePlan.from_config(algo, inputs["input_ids"].shape[0])
+        if comps.ref_model is not None:
+            with timer("ref"):
+                inputs["ref_logprobs"] = batched_logprobs(comps.ref_model, inputs, algo.sampling.temperature,
+                                                          plan.micro_batch_size)
+        if comps.actor.old_logprobs_needed(plan, inputs["input_ids"].shape[0]):
+            with timer("old_log_prob"):
+                inputs["old_logprobs"] = comps.actor.compute_logprobs(inputs, plan.micro_batch_size)
+        if comps.critic is not None:
+            with timer("values"):
+                inputs["values"] = comps.critic.compute_values(inputs, plan.micro_batch_size)
+
+    def add_advantages(self, batch: RolloutBatch, inputs: dict[str, torch.Tensor]) -> None:
+        algo, mask = self.config.algorithm, inputs["response_mask"]
+        scores = batch.scores().to(mask.device)
+        if algo.name == "grpo":
+            group_ids = torch.from_numpy(batch.column("group_id").to_numpy()).to(mask.device)
+            inputs["advantages"], inputs["returns"] = grpo_advantages(scores, group_ids, mask, algo.norm_adv_by_std)
+            return
+        kl = None
+        if algo.kl.in_reward and "ref_logprobs" in inputs:
+            old = inputs.get("old_logprobs", inputs["ref_logprobs"])
+            kl = kl_penalty(old, inputs["ref_logprobs"], algo.kl.estimator)
+        inputs["token_rewards"] = token_level_rewards(scores, mask, kl, algo.kl.coef if kl is not None else 0.0)
+        inputs["advantages"], inputs["returns"] = gae_advantages(inputs["token_rewards"], inputs["values"], mask,
+                                                                 algo.gamma, algo.lam)
+
+    def sync_weights(self, comps: Components) -> None:
+        """Embedded colocated mode: the engine shares the actor's module, so only the version moves."""
+        self.policy_version += 1
+        comps.rollout.policy_version = self.policy_version
+
+    def samples_text(self, comps: Components, batch: RolloutBatch) -> str:
+        count = min(self.config.logging.num_samples, len(batch))
+        decode = comps.tokenizer.decode
+        rows = [f"| `{decode(p)}` | `{decode(r, skip_special_tokens=True)}` | {s:.3f} |" for p, r, s in zip(
+            batch.column("prompt_ids").to_pylist()[:count], batch.column("response_ids").to_pylist()[:count],
+            batch.scores().tolist()[:count], strict=True)]
+        return "| prompt | response | score |\n|---|---|---|\n" + "\n".join(rows)
+
+    def save_hf_model(self, comps: Components) -> Path:
+        from verl_hpc.checkpoint.hf_export import save_hf_directory
+
+        return save_hf_directory(comps.actor.model, comps.tokenizer, self.run_dir / "hf_model")
