@@ -1,0 +1,27 @@
+"""Shared fixtures: one tiny model per test session, subprocess helpers for the CLI."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from verl_hpc.models.tiny import init_model
+
+    return init_model(tmp_path_factory.mktemp("models") / "tiny", preset="tiny", seed=0)
+
+
+def run_cli(*args: str, timeout: float = 600, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    """`python -m verl_hpc ARGS` as a user would run it; output captured as text."""
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+    return subprocess.run([sys.executable, "-m", "verl_hpc", *args], cwd=cwd, env=env, text=True,
+                          capture_output=True, timeout=timeout)
