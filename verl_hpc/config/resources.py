@@ -123,7 +123,9 @@ class ResourceConfig(StrictModel):
                 if shared:
                     raise FieldError(
                         f"{other_name}.device_ids", f"GPU(s) {shared} are also used by the vLLM {name} role, "
-                        "which reserves their memory", f"give {other_name} other devices or set placement: colocated")
+                        "which reserves their memory",
+                        f"give {other_name} other devices" + (" or set placement: colocated"
+                                                              if other_name in ("actor", "critic", "ref") else ""))
         if self.placement == "split":
             rollout, actor = self.rollout, self.actor
             if rollout.device_type == actor.device_type == "cuda":
