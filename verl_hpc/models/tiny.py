@@ -135,6 +135,7 @@ def init_model(out_dir: str | os.PathLike, preset: str = "tiny", seed: int = 0,
     try:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
+        os.chmod(staging, 0o755)  # a model is no secret: a shared cache must be readable by all
         marker = {"preset": preset, "seed": seed, **asdict(spec), "vocab_size": len(tokenizer)}
         (staging / MARKER_FILE).write_text(json.dumps(marker, indent=2))
         if out.exists() and is_built(out) and not overwrite:

@@ -32,6 +32,10 @@ class HFRolloutEngine:
         for row, ids in enumerate(prompt_ids):
             input_ids[row, width - len(ids):] = torch.as_tensor(ids)
             attention[row, width - len(ids):] = 1
+        # HF pads a row that hit a stop string with pad tokens until the batch ends; record
+        # where each row stopped so those never-sampled pads are cut like tokens after EOS.
+        stopper = _StopStringLengths(self.tokenizer, sampling.stop, width, len(prompt_ids)) \
+            if sampling.stop else None
         was_training = self.model.training
         self.model.eval()
         out = self.model.generate(
@@ -39,13 +43,13 @@ class HFRolloutEngine:
             do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or None,
             max_new_tokens=sampling.max_new_tokens, pad_token_id=self.pad_id, eos_token_id=self.eos_id,
             output_logits=True, return_dict_in_generate=True,
-            stop_strings=sampling.stop or None, tokenizer=self.tokenizer if sampling.stop else None,
+            stopping_criteria=[stopper] if stopper else None,
         )
         self.model.train(was_training)
         tokens = out.sequences[:, width:].cpu()
         logits = torch.stack(out.logits, dim=1).float().cpu() / sampling.temperature
         logprobs = torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-        return _trim(tokens, logprobs, self.eos_id)
+        return _trim(tokens, logprobs, self.eos_id, stopper.lengths if stopper else None)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         params = dict(self.model.named_parameters())
@@ -61,13 +65,35 @@ class HFRolloutEngine:
         pass
 
 
-def _trim(tokens: torch.Tensor, logprobs: torch.Tensor, eos_id: int) -> Generation:
-    """Cut each row after its first EOS (kept: emitting it was an action)."""
+class _StopStringLengths:
+    """HF's stop-string criterion that also records how many tokens each row had when it first fired."""
+
+    def __init__(self, tokenizer, stops: list[str], prompt_width: int, batch_size: int):
+        from transformers import StopStringCriteria
+
+        self.inner = StopStringCriteria(tokenizer, stops)
+        self.prompt_width = prompt_width
+        self.lengths = torch.zeros(batch_size, dtype=torch.long)  # 0: never stopped
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        done = self.inner(input_ids, scores, **kwargs)
+        lengths = self.lengths.to(done.device)  # stays on the device: no sync per step
+        self.lengths = torch.where(done & (lengths == 0), input_ids.shape[1] - self.prompt_width, lengths)
+        return done
+
+
+def _trim(tokens: torch.Tensor, logprobs: torch.Tensor, eos_id: int,
+          stop_lengths: torch.Tensor | None = None) -> Generation:
+    """Cut each row after its first EOS or stop string (kept: emitting it was an action)."""
     is_eos = tokens == eos_id
     has_eos = is_eos.any(dim=1)
     first_eos = torch.where(has_eos, is_eos.int().argmax(dim=1), torch.full_like(has_eos, tokens.shape[1] - 1,
                                                                                   dtype=torch.long))
-    lengths = (first_eos + 1).tolist()
+    lengths = first_eos + 1
+    if stop_lengths is not None:
+        stop_lengths = stop_lengths.cpu()
+        lengths = torch.where(stop_lengths > 0, torch.minimum(lengths, stop_lengths), lengths)
+    lengths = lengths.tolist()
     token_rows, lp_rows = tokens.tolist(), logprobs.tolist()
     return Generation([r[:n] for r, n in zip(token_rows, lengths, strict=True)],
                       [r[:n] for r, n in zip(lp_rows, lengths, strict=True)])
