@@ -1,0 +1,376 @@
+"""Who am I in the job: rank, world, rendezvous address, read from whoever launched us.
+
+Why one object for three launchers: our local launcher, torchrun and Slurm's srun each
+describe a task with different variables (and a Slurm heterogeneous step describes it
+only piecewise, per component). Everything downstream (process groups, log file names,
+device pinning, checkpoint ownership) reads `JobEnvironment` and never the raw variables,
+so a new launcher means one new branch here rather than edits everywhere.
+
+Precedence (first match wins): our launcher (`VERL_HPC_RANK`), torchrun (`RANK` +
+`WORLD_SIZE`), Slurm (`SLURM_PROCID`), else a single process. Ours comes first because
+the local launcher may itself run inside a Slurm allocation, where `SLURM_*` describe the
+allocation rather than our processes; torchrun before Slurm for the same reason.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import time
+import zlib
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Literal
+
+Scheduler = Literal["local", "slurm", "torchrun"]
+
+# Ports derived from a job id fall in [base, base + PORT_SPAN): wide enough that two jobs
+# sharing a node rarely collide, low enough to stay below the ephemeral range (32768+).
+PORT_SPAN = 20000
+DEBUG_PREFIXES = ("VERL_HPC_", "SLURM_", "MASTER_", "NCCL_", "GLOO_", "TORCHELASTIC_")
+DEBUG_NAMES = ("CUDA_VISIBLE_DEVICES", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+SCONTROL_TIMEOUT_S = 10.0
+
+
+def expand_hostlist(spec: str) -> list[str]:
+    """Expand Slurm hostlist syntax: `node[01-03,7],gpu5` -> node01, node02, node03, node7, gpu5.
+
+    Why our own parser: containers often lack `scontrol` (a top complaint of RL users on
+    Slurm), yet the rendezvous host must be known on every task. Zero padding follows the
+    width of a range's first bound, as Slurm does; several brackets in one name expand as
+    a product (`r[1-2]n[1-2]`).
+    """
+    hosts: list[str] = []
+    for item in _split_top_level(spec.strip()):
+        hosts.extend(_expand_item(item.strip()))
+    return hosts
+
+
+def _split_top_level(spec: str) -> list[str]:
+    """Split on commas that are outside brackets."""
+    items, depth, start = [], 0, 0
+    for i, char in enumerate(spec):
+        if char == "[":
+            depth += 1
+        elif char == "]":
+            depth -= 1
+            if depth < 0:
+                raise ValueError(f"unbalanced ']' in hostlist {spec!r}")
+        elif char == "," and depth == 0:
+            items.append(spec[start:i])
+            start = i + 1
+    if depth != 0:
+        raise ValueError(f"unbalanced '[' in hostlist {spec!r}")
+    items.append(spec[start:])
+    return [item for item in items if item.strip()]
+
+
+def _expand_item(item: str) -> list[str]:
+    match = re.search(r"\[([^\[\]]*)\]", item)
+    if match is None:
+        return [item]
+    head, tail = item[: match.start()], item[match.end():]
+    tails = _expand_item(tail) if tail else [""]
+    return [head + value + rest for value in _expand_ranges(match.group(1), item) for rest in tails]
+
+
+def _expand_ranges(body: str, item: str) -> list[str]:
+    values: list[str] = []
+    for part in body.split(","):
+        part = part.strip()
+        lo, sep, hi = part.partition("-")
+        if not lo.isdigit() or (sep and not hi.isdigit()):
+            raise ValueError(f"bad range {part!r} in hostlist item {item!r}")
+        if not sep:
+            values.append(lo)
+            continue
+        if int(hi) < int(lo):
+            raise ValueError(f"descending range {part!r} in hostlist item {item!r}")
+        values.extend(str(n).zfill(len(lo)) for n in range(int(lo), int(hi) + 1))
+    return values
+
+
+def hostnames(nodelist: str) -> list[str]:
+    """Hostnames of a Slurm nodelist: `scontrol show hostnames` when present, else our parser.
+
+    Why prefer scontrol: it is the reference implementation (site-specific syntax too);
+    the parser is the fallback for containers and for machines without Slurm.
+    """
+    if shutil.which("scontrol"):
+        try:
+            done = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
+                                  text=True, timeout=SCONTROL_TIMEOUT_S, check=False)
+            names = done.stdout.split()
+            if done.returncode == 0 and names:
+                return names
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return expand_hostlist(nodelist)
+
+
+def parse_tasks_per_node(spec: str) -> list[int]:
+    """`2(x3),1` -> [2, 2, 2, 1]: Slurm's compressed tasks-per-node list, one entry per node."""
+    counts: list[int] = []
+    for part in spec.split(","):
+        match = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
+        if match is None:
+            raise ValueError(f"cannot parse tasks per node {spec!r}")
+        counts.extend([int(match.group(1))] * int(match.group(2) or 1))
+    return counts
+
+
+def port_from_job_id(job_id: str | None, base: int) -> int:
+    """The same port on every task of a job, different for most jobs sharing a node.
+
+    Why deterministic: tasks on different nodes must agree without talking first, and a
+    requeued job (same id) comes back to the same port its config and logs mention.
+    """
+    if not job_id:
+        return base
+    number = int(job_id) if job_id.isdigit() else zlib.crc32(job_id.encode())
+    return base + number % PORT_SPAN
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port the OS says is free now (a single process has nobody to agree with)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
+    value = env.get(name)
+    if value is None or value.strip() == "":
+        if default is None:
+            raise ValueError(f"environment variable {name} is required but not set")
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def _het(env: Mapping[str, str], base: str, group: int) -> str | None:
+    """A per-component variable; Slurm < 20.02 spelled `_HET_GROUP_` as `_PACK_GROUP_`."""
+    return env.get(f"{base}_HET_GROUP_{group}") or env.get(f"{base}_PACK_GROUP_{group}")
+
+
+def het_group_sizes(env: Mapping[str, str]) -> tuple[int, ...] | None:
+    """Tasks per hetjob component of this step, or None outside a step spanning all of them.
+
+    Why check the step: the batch script of a hetjob exports every component's counts, so a
+    plain `srun` there (component 0 only) inherits them. Slurm 22.05 sets
+    SLURM_STEP_NUM_TASKS in every srun task (measured): when it disagrees with the sum,
+    this step is not the het step and its own world is what counts.
+    """
+    size_name = "SLURM_HET_SIZE" if env.get("SLURM_HET_SIZE") else "SLURM_PACK_SIZE"
+    if not env.get(size_name):
+        return None
+    size = _int(env, size_name)
+    sizes = []
+    for k in range(size):
+        value = _het(env, "SLURM_NTASKS", k)
+        if value is None:
+            raise ValueError(f"SLURM_HET_SIZE={size} but SLURM_NTASKS_HET_GROUP_{k} is not set; "
+                             "run the step over all components (srun --het-group=0-N)")
+        sizes.append(int(value))
+    step_tasks = env.get("SLURM_STEP_NUM_TASKS")
+    if step_tasks and step_tasks.isdigit() and int(step_tasks) != sum(sizes):
+        return None
+    return tuple(sizes)
+
+
+def _component_of(rank: int, sizes: tuple[int, ...]) -> tuple[int, int]:
+    start = 0
+    for index, size in enumerate(sizes):
+        if rank < start + size:
+            return index, rank - start
+        start += size
+    raise ValueError(f"SLURM_PROCID={rank} is beyond the {start} tasks of the hetjob components {sizes}")
+
+
+def _slurm_local_world(env: Mapping[str, str], local_rank: int) -> int:
+    """Tasks on this node, best effort: Slurm reports a compressed per-node list.
+
+    Why the step's list first: in a het step SLURM_STEP_TASKS_PER_NODE covers every
+    component's nodes and SLURM_NODEID indexes it (measured: `2,1(x2)`, node ids 0,0,1,2),
+    while the `_HET_GROUP_k` lists are per component. Best effort because the value only
+    picks devices and sizes thread pools; collectives never depend on it.
+    """
+    fallback = local_rank + 1
+    node = env.get("SLURM_NODEID", "")
+    try:
+        for name in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
+            spec = env.get(name)
+            if not spec:
+                continue
+            counts = parse_tasks_per_node(spec)
+            if node.isdigit() and int(node) < len(counts):
+                return max(counts[int(node)], fallback)
+            if len(set(counts)) == 1:
+                return max(counts[0], fallback)
+        return fallback
+    except ValueError:
+        return fallback
+
+
+def _debug_variables(env: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+    keep = {k: v for k, v in env.items() if k.startswith(DEBUG_PREFIXES) or k in DEBUG_NAMES}
+    return tuple(sorted(keep.items()))
+
+
+@dataclass(frozen=True)
+class JobEnvironment:
+    """This task's place in the job, independent of the launcher that started it."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+    job_id: str | None
+    restart_count: int
+    scheduler: Scheduler
+    hostname: str
+    # Tasks per Slurm hetjob component, in component order; None outside a hetjob.
+    het_group_sizes: tuple[int, ...] | None = None
+    # The launcher variables this was derived from, for write_debug_file (not compared).
+    variables: tuple[tuple[str, str], ...] = field(default=(), repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"world size must be >= 1, got {self.world_size} (from {self.scheduler})")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is outside the world of {self.world_size} "
+                             f"processes (from {self.scheduler})")
+        if self.local_rank < 0 or self.local_world_size < 1:
+            raise ValueError(f"bad local rank {self.local_rank} / local world {self.local_world_size}")
+        if not 0 < self.master_port < 65536:
+            raise ValueError(f"master port {self.master_port} is not a valid TCP port")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None,
+                 default_port_base: int = 29500) -> JobEnvironment:
+        """Read the launcher's variables (os.environ by default); see the module docstring."""
+        env = os.environ if environ is None else environ
+        if "VERL_HPC_RANK" in env:
+            return cls._from_local(env, default_port_base)
+        if "RANK" in env and "WORLD_SIZE" in env:
+            return cls._from_torchrun(env, default_port_base)
+        if "SLURM_PROCID" in env:
+            return cls._from_slurm(env, default_port_base)
+        return cls._single(env)
+
+    @classmethod
+    def _from_local(cls, env: Mapping[str, str], base: int) -> JobEnvironment:
+        world = _int(env, "VERL_HPC_WORLD_SIZE")
+        return cls(rank=_int(env, "VERL_HPC_RANK"), world_size=world,
+                   local_rank=_int(env, "VERL_HPC_LOCAL_RANK", _int(env, "VERL_HPC_RANK")),
+                   local_world_size=_int(env, "VERL_HPC_LOCAL_WORLD_SIZE", world),
+                   master_addr=env.get("MASTER_ADDR") or "127.0.0.1",
+                   master_port=_int(env, "MASTER_PORT", base),
+                   job_id=env.get("VERL_HPC_JOB_ID") or None,
+                   restart_count=_int(env, "VERL_HPC_RESTART_COUNT", 0), scheduler="local",
+                   hostname=socket.gethostname(), variables=_debug_variables(env))
+
+    @classmethod
+    def _from_torchrun(cls, env: Mapping[str, str], base: int) -> JobEnvironment:
+        world = _int(env, "WORLD_SIZE")
+        return cls(rank=_int(env, "RANK"), world_size=world, local_rank=_int(env, "LOCAL_RANK", 0),
+                   local_world_size=_int(env, "LOCAL_WORLD_SIZE", world),
+                   master_addr=env.get("MASTER_ADDR") or "127.0.0.1",
+                   master_port=_int(env, "MASTER_PORT", base),
+                   job_id=env.get("TORCHELASTIC_RUN_ID") or env.get("SLURM_JOB_ID") or None,
+                   restart_count=_int(env, "TORCHELASTIC_RESTART_COUNT", 0), scheduler="torchrun",
+                   hostname=socket.gethostname(), variables=_debug_variables(env))
+
+    @classmethod
+    def _from_slurm(cls, env: Mapping[str, str], base: int) -> JobEnvironment:
+        """Slurm task: in a heterogeneous step the world spans every component.
+
+        Why sum the components: outside the het step itself `SLURM_NTASKS` counts only one
+        component, while `SLURM_PROCID` is global; ranks are contiguous per component in
+        component order, matching ProcessPlan's rank layout.
+        """
+        rank = _int(env, "SLURM_PROCID")
+        sizes = het_group_sizes(env)
+        tasks = _int(env, "SLURM_NTASKS", _int(env, "SLURM_NPROCS", 1))
+        world = sum(sizes) if sizes else _int(env, "SLURM_STEP_NUM_TASKS", tasks)
+        local_rank = _int(env, "SLURM_LOCALID", 0)
+        job_id = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID") or None
+        return cls(rank=rank, world_size=world, local_rank=local_rank,
+                   local_world_size=_slurm_local_world(env, local_rank),
+                   master_addr=env.get("MASTER_ADDR") or _slurm_master(env, het=sizes is not None),
+                   master_port=_int(env, "MASTER_PORT", port_from_job_id(job_id, base)),
+                   job_id=job_id, restart_count=_int(env, "SLURM_RESTART_COUNT", 0), scheduler="slurm",
+                   hostname=socket.gethostname(), het_group_sizes=sizes, variables=_debug_variables(env))
+
+    @classmethod
+    def _single(cls, env: Mapping[str, str]) -> JobEnvironment:
+        """No launcher: a world of one; any free port, since nobody else must agree on it."""
+        addr = env.get("MASTER_ADDR") or "127.0.0.1"
+        port = _int(env, "MASTER_PORT", 0) or free_port()
+        return cls(rank=0, world_size=1, local_rank=0, local_world_size=1, master_addr=addr,
+                   master_port=port, job_id=None, restart_count=0, scheduler="local",
+                   hostname=socket.gethostname(), variables=_debug_variables(env))
+
+    def het_component(self) -> tuple[int, int] | None:
+        """(hetjob component index, rank within it), or None outside a Slurm hetjob.
+
+        Why derived: Slurm sets no variable naming a task's own component; it follows from
+        the global rank and the running sums of the components' task counts.
+        """
+        if self.het_group_sizes is None:
+            return None
+        return _component_of(self.rank, self.het_group_sizes)
+
+    def to_env(self) -> dict[str, str]:
+        """The variables torch.distributed's `env://` rendezvous reads."""
+        return {"RANK": str(self.rank), "WORLD_SIZE": str(self.world_size),
+                "LOCAL_RANK": str(self.local_rank), "LOCAL_WORLD_SIZE": str(self.local_world_size),
+                "MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.master_port)}
+
+    def write_debug_file(self, path: str | Path) -> Path:
+        """Write what this task saw and derived, as JSON, mode 0600, atomically.
+
+        Why: "rank 5 hung at init" is answered by comparing these files across tasks
+        (wrong port, wrong nodelist, mismatched world). 0600 because NCCL/Slurm variables
+        can reveal cluster layout; atomic so a crash never leaves half a file to mislead.
+        """
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fields = {k: v for k, v in asdict(self).items() if k != "variables"}
+        payload = {"derived": fields, "het_component": self.het_component(),
+                   "variables": dict(self.variables), "pid": os.getpid(), "written_at": time.time()}
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.fchmod(fd, 0o600)
+            with os.fdopen(fd, "w") as out:
+                json.dump(payload, out, indent=2, sort_keys=True)
+                out.flush()
+                os.fsync(out.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        return path
+
+
+def _slurm_master(env: Mapping[str, str], het: bool) -> str:
+    """First host of het component 0, else of this step, else of the job: rank 0 runs there."""
+    candidates = [_het(env, "SLURM_JOB_NODELIST", 0)] if het else []
+    candidates += [env.get("SLURM_STEP_NODELIST"), env.get("SLURM_JOB_NODELIST"), env.get("SLURM_NODELIST")]
+    nodelist = next((c for c in candidates if c), None)
+    if not nodelist:
+        raise ValueError("running under Slurm but SLURM_JOB_NODELIST is not set; set MASTER_ADDR")
+    names = hostnames(nodelist)
+    if not names:
+        raise ValueError(f"Slurm nodelist {nodelist!r} names no host; set MASTER_ADDR")
+    return names[0]
