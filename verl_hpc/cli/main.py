@@ -47,10 +47,15 @@ def _add_init_model(sub: argparse._SubParsersAction) -> None:
 
 def _cmd_train(args: argparse.Namespace) -> int:
     from verl_hpc.config import load_config
-    from verl_hpc.runtime.trainer import HybridTrainer
+    from verl_hpc.launch.local import WorkerFailure
+    from verl_hpc.launch.train import train
 
     cfg = load_config(args.config, args.overrides)
-    result = HybridTrainer(cfg, run_dir=args.run_dir).train()
+    try:
+        result = train(cfg, run_dir=args.run_dir)
+    except WorkerFailure as failure:
+        print(f"verl-hpc: error: {failure}", file=sys.stderr)
+        return 1
     score = result.last_metrics.get("critic/score/mean")
     print(f"run directory: {result.run_dir}")
     print(f"steps: {result.steps}   final critic/score/mean: {score:.4f}" if score is not None else "")

@@ -13,11 +13,13 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from verl_hpc.algo import aggregate_loss, kl_penalty, masked_mean, policy_loss
 from verl_hpc.config import AlgorithmConfig
 from verl_hpc.config.schema import OptimConfig
 from verl_hpc.roles.forward import batched_logprobs, micro_batches, response_logprobs
+from verl_hpc.roles.fsdp import to_float
 
 
 def build_optimizer(params, cfg: OptimConfig, total_steps: int):
@@ -60,9 +62,26 @@ def micro_weight(mask: torch.Tensor, total_tokens: torch.Tensor, total_rows: int
     return mask.shape[0] / total_rows
 
 
+def data_parallel_scale(mask: torch.Tensor, agg_mode: str, group: dist.ProcessGroup | None) -> float:
+    """Loss multiplier so FSDP's gradient *average* over ranks equals the global-batch loss.
+
+    Ranks hold different numbers of valid tokens; scaling each rank's local mean by
+    local_count * world / global_count makes the average of the ranks' gradients the
+    gradient of the mean over every token (or sequence) of the whole batch.
+    """
+    if group is None or dist.get_world_size(group) == 1:
+        return 1.0
+    local = mask.sum() if agg_mode == "token-mean" else torch.tensor(float(mask.shape[0]))
+    total = local.detach().clone().float().cpu()
+    dist.all_reduce(total, group=group)
+    return float(local) * dist.get_world_size(group) / max(float(total), 1.0)
+
+
 class Actor:
-    def __init__(self, model: torch.nn.Module, algo: AlgorithmConfig, optim: OptimConfig, total_steps: int):
+    def __init__(self, model: torch.nn.Module, algo: AlgorithmConfig, optim: OptimConfig, total_steps: int,
+                 dp_group: dist.ProcessGroup | None = None):
         self.model = model
+        self.dp_group = dp_group
         self.algo = algo
         self.optim_cfg = optim
         self.optimizer, self.scheduler = build_optimizer(model.parameters(), optim, total_steps)
@@ -94,10 +113,11 @@ class Actor:
         self.optimizer.zero_grad(set_to_none=True)
         total_tokens = mini["response_mask"].sum().clamp(min=1)
         total_rows = mini["response_mask"].shape[0]
+        dp_scale = data_parallel_scale(mini["response_mask"], algo.loss_agg_mode, self.dp_group)
         sums = {"pg_loss": 0.0, "entropy": 0.0, "kl_loss": 0.0, "pg_clipfrac": 0.0, "ppo_kl": 0.0}
         for micro in micro_batches(mini, micro_size):
             mask = micro["response_mask"]
-            weight = micro_weight(mask, total_tokens, total_rows, algo.loss_agg_mode)
+            weight = micro_weight(mask, total_tokens, total_rows, algo.loss_agg_mode) * dp_scale
             logprobs, entropy = response_logprobs(self.model, micro, algo.sampling.temperature,
                                                   with_entropy=True)
             old = logprobs.detach() if reuse_forward else micro["old_logprobs"]
@@ -115,13 +135,13 @@ class Actor:
             (loss * weight).backward()
             for key, value in (("pg_loss", pg), ("entropy", ent), ("kl_loss", kl_value),
                                ("pg_clipfrac", pg_stats["clipfrac"]), ("ppo_kl", pg_stats["approx_kl"])):
-                sums[key] += float(value.detach()) * weight
+                sums[key] += float(value.detach()) * weight / dp_scale
         grad_norm = self._clip_and_step()
         return {**sums, "grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0]}
 
     def _clip_and_step(self) -> float:
         max_norm = self.optim_cfg.grad_clip or float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+        grad_norm = to_float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
         if math.isfinite(grad_norm):
             self.optimizer.step()
         else:  # a non-finite gradient would poison the weights: skip this step, keep training

@@ -13,8 +13,9 @@ from torch import nn
 from verl_hpc.algo import value_loss
 from verl_hpc.config import AlgorithmConfig
 from verl_hpc.config.schema import OptimConfig
-from verl_hpc.roles.actor import UpdatePlan, build_optimizer, micro_weight
+from verl_hpc.roles.actor import UpdatePlan, build_optimizer, data_parallel_scale, micro_weight
 from verl_hpc.roles.forward import micro_batches
+from verl_hpc.roles.fsdp import to_float
 
 
 class ValueModel(nn.Module):
@@ -43,8 +44,10 @@ class ValueModel(nn.Module):
 
 
 class Critic:
-    def __init__(self, model: ValueModel, algo: AlgorithmConfig, optim: OptimConfig, total_steps: int):
+    def __init__(self, model: ValueModel, algo: AlgorithmConfig, optim: OptimConfig, total_steps: int,
+                 dp_group=None):
         self.model = model
+        self.dp_group = dp_group
         self.algo = algo
         self.optim_cfg = optim
         self.optimizer, self.scheduler = build_optimizer(model.parameters(), optim, total_steps)
@@ -73,17 +76,18 @@ class Critic:
         self.optimizer.zero_grad(set_to_none=True)
         total_tokens = mini["response_mask"].sum().clamp(min=1)
         sums = {"vf_loss": 0.0, "vf_clipfrac": 0.0}
+        dp_scale = data_parallel_scale(mini["response_mask"], self.algo.loss_agg_mode, self.dp_group)
         for micro in micro_batches(mini, micro_size):
             mask = micro["response_mask"]
             weight = micro_weight(mask, total_tokens, mini["response_mask"].shape[0], self.algo.loss_agg_mode)
             values = self.model(micro)
             loss, stats = value_loss(values, micro["values"], micro["returns"], mask, self.algo.value_clip,
                                      self.algo.loss_agg_mode)
-            (loss * weight).backward()
+            (loss * weight * dp_scale).backward()
             sums["vf_loss"] += float(loss.detach()) * weight
             sums["vf_clipfrac"] += float(stats["vf_clipfrac"]) * weight
         max_norm = self.optim_cfg.grad_clip or float("inf")
-        sums["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+        sums["grad_norm"] = to_float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
         self.optimizer.step()
         return sums
 

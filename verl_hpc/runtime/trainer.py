@@ -164,7 +164,7 @@ class HybridTrainer:
         algo, mask = self.config.algorithm, inputs["response_mask"]
         scores = batch.scores().to(mask.device)
         if algo.name == "grpo":
-            group_ids = torch.from_numpy(batch.column("group_id").to_numpy()).to(mask.device)
+            group_ids = torch.tensor(batch.column("group_id").to_numpy(), dtype=torch.long).to(mask.device)
             inputs["advantages"], inputs["returns"] = grpo_advantages(scores, group_ids, mask, algo.norm_adv_by_std)
             return
         kl = None

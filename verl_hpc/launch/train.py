@@ -1,0 +1,48 @@
+"""`verl-hpc train`: the embedded loop for one process, the local launcher for more.
+
+Why preparation happens here, once, before any worker starts: building the model,
+writing the task's prompts and creating the run's secret are not safe to race from
+several processes, and a bad config must fail before anything is spawned.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from verl_hpc.config import RunConfig, dump_config
+from verl_hpc.config.placement import plan_for_config
+from verl_hpc.runtime.components import ensure_model, prompt_files
+from verl_hpc.runtime.run_dir import prepare_run_dir
+from verl_hpc.runtime.trainer import HybridTrainer, TrainResult
+
+
+def needs_launcher(cfg: RunConfig) -> bool:
+    return plan_for_config(cfg).world_size > 1
+
+
+def train(cfg: RunConfig, run_dir: str | Path | None = None) -> TrainResult:
+    if not needs_launcher(cfg):
+        return HybridTrainer(cfg, run_dir=run_dir).train()
+    return launch_local(cfg, run_dir)
+
+
+def launch_local(cfg: RunConfig, run_dir: str | Path | None) -> TrainResult:
+    from verl_hpc.data.transport import create_run_secret
+    from verl_hpc.launch.local import LocalLauncher
+    from verl_hpc.metrics import read_jsonl_metrics
+
+    path = prepare_run_dir(run_dir or cfg.run_dir, cfg)
+    (path / "config.yaml").write_text(dump_config(cfg))
+    ensure_model(cfg)
+    prompt_files(cfg, path)
+    create_run_secret(path)
+    plan = plan_for_config(cfg)
+    launcher = LocalLauncher(plan, path, [sys.executable, "-m", "verl_hpc.runtime.worker"],
+                             grace_seconds=min(10.0, cfg.resources.timeout_seconds))
+    launcher.run()
+    metrics_file = path / "tensorboard" / "metrics.jsonl"
+    rows = read_jsonl_metrics(metrics_file) if metrics_file.exists() else []
+    hf_dir = path / "hf_model"
+    return TrainResult(path, rows[-1]["step"] if rows else 0, hf_dir if hf_dir.exists() else None,
+                       rows[-1] if rows else {})

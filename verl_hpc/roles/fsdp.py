@@ -1,0 +1,49 @@
+"""FSDP2 sharding of a Hugging Face causal LM (or value model) over one role's group.
+
+Why per decoder layer and then the root: each layer's parameters are all-gathered just
+before it runs and freed after, so peak memory is one layer's full weights plus the
+shards — the property that lets the actor, ref and critic share devices. The mesh is
+built from the role's own process group, never the world, because rollout and reward
+processes must not take part in the actor's collectives.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated transformer blocks of an HF model (`model.layers` for Qwen2/Llama)."""
+    for owner in (model, getattr(model, "model", None), getattr(model, "backbone", None)):
+        inner = getattr(owner, "layers", None) or getattr(getattr(owner, "model", None), "layers", None)
+        if isinstance(inner, nn.ModuleList):
+            return list(inner)
+    return []
+
+
+def shard_model(model: nn.Module, group: dist.ProcessGroup, device_type: str,
+                param_dtype: torch.dtype | None = None) -> nn.Module:
+    """`fully_shard` every decoder layer, then the root, over `group`; returns the model."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = DeviceMesh.from_group(group, device_type=device_type)
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else \
+        MixedPrecisionPolicy()
+    for layer in decoder_layers(model):
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model
+
+
+def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor behind a DTensor shard (a collective over its mesh), or itself."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def to_float(value: torch.Tensor | float) -> float:
+    return float(full_tensor(value)) if isinstance(value, torch.Tensor) else float(value)

@@ -1,0 +1,103 @@
+"""Moving the actor's new weights into the rollout engine after every update.
+
+Colocated (hybrid engine): the trainer ranks themselves host the engine; parameters are
+gathered one at a time from the FSDP2 shards and copied straight into the engine's
+tensors, so no rank ever holds a second full copy of the model — at most one extra
+parameter. Split: trainer rank 0 packs the gathered parameters into flat buckets and
+broadcasts each over the sync group to the rollout ranks, which unpack them into their
+own copy. Both sides walk `named_parameters()` of the same architecture in the same
+order, so only a small header (version, count, bytes) crosses the wire besides data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from verl_hpc.roles.fsdp import full_tensor
+
+DEFAULT_BUCKET_BYTES = 64 * 2**20
+
+
+class WeightSyncError(RuntimeError):
+    """The two sides of a sync disagree (architecture, version): never load half a model."""
+
+
+def iter_full_params(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full tensor) per parameter; on FSDP2 every rank of the mesh must iterate."""
+    for name, param in model.named_parameters():
+        yield name, full_tensor(param.detach())
+
+
+def stream_into(source: nn.Module, target: nn.Module) -> int:
+    """Colocated sync: copy each gathered parameter of `source` into `target`; returns bytes."""
+    target_params = dict(target.named_parameters())
+    copied = 0
+    with torch.no_grad():
+        for name, tensor in iter_full_params(source):
+            dest = target_params[name]
+            dest.copy_(tensor.to(dest.device, dest.dtype))
+            copied += dest.numel() * dest.element_size()
+    return copied
+
+
+def gather_only(model: nn.Module) -> None:
+    """Trainer ranks outside the sync group: join each parameter's gather, send nothing."""
+    for _ in iter_full_params(model):
+        pass
+
+
+def _buckets(names_sizes: list[tuple[str, int]], bucket_bytes: int) -> list[list[int]]:
+    """Indices of consecutive parameters grouped so each bucket stays under the limit."""
+    buckets: list[list[int]] = [[]]
+    used = 0
+    for i, (_, nbytes) in enumerate(names_sizes):
+        if buckets[-1] and used + nbytes > bucket_bytes:
+            buckets.append([])
+            used = 0
+        buckets[-1].append(i)
+        used += nbytes
+    return buckets
+
+
+def broadcast_weights(model: nn.Module, group: dist.ProcessGroup, src: int, version: int,
+                      is_sender: bool, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> tuple[int, int]:
+    """Bucketed broadcast from `src` (global rank) to every rank of `group`; returns (version, bytes).
+
+    The sender passes its (possibly FSDP-sharded) actor; receivers pass their engine's
+    model and get its parameters overwritten in place. The other trainer ranks call
+    `gather_only` at the same time, since the FSDP2 gathers are collectives.
+    """
+    params = list(model.named_parameters())
+    header = torch.tensor([version, len(params), sum(p.numel() for _, p in params)], dtype=torch.int64)
+    if group is not None:
+        dist.broadcast(header, src=src, group=group)
+    if int(header[1]) != len(params) or int(header[2]) != sum(p.numel() for _, p in params):
+        raise WeightSyncError(f"actor and rollout models differ: sender has {int(header[1])} tensors / "
+                              f"{int(header[2])} elements, receiver {len(params)} / "
+                              f"{sum(p.numel() for _, p in params)}")
+    sizes = [(n, p.numel() * 4) for n, p in params]
+    sent = 0
+    gathered = iter_full_params(model) if is_sender else None
+    for bucket in _buckets(sizes, bucket_bytes):
+        tensors = [next(gathered)[1].float().reshape(-1) for _ in bucket] if gathered is not None else None
+        flat = torch.cat(tensors) if tensors is not None else \
+            torch.empty(sum(params[i][1].numel() for i in bucket), dtype=torch.float32)
+        if group is not None:
+            dist.broadcast(flat, src=src, group=group)
+        if not is_sender:
+            _unpack(flat, [params[i][1] for i in bucket])
+        sent += flat.numel() * flat.element_size()
+    return int(header[0]), sent
+
+
+@torch.no_grad()
+def _unpack(flat: torch.Tensor, targets: list[torch.Tensor]) -> None:
+    offset = 0
+    for param in targets:
+        n = param.numel()
+        param.copy_(flat[offset:offset + n].view_as(param).to(param.device, param.dtype))
+        offset += n

@@ -1,0 +1,208 @@
+"""The RL loop across processes: one torch.distributed world, a process group per role.
+
+Every rank runs the same step in lockstep; what it does depends on its group:
+- generators (the rollout group when `split`, the trainer ranks when `colocated`) sample
+  responses for their slice of the step's prompts and score them with the rule reward;
+- the batches reach trainer rank 0 as Arrow record batches (Arrow Flight from a separate
+  rollout group; a gather inside the trainer group when colocated);
+- trainer rank 0 computes GRPO advantages (they need whole groups) and hands each trainer
+  rank its contiguous shard; the FSDP2-sharded actor (and critic/ref) update on shards;
+- the new weights go back to the engines: bucketed broadcast (split) or streamed per
+  parameter into the colocated engine. Each rollout is stamped with the policy version.
+The prompt order is computed identically on every rank from the seed, so no rank needs
+to be told which prompts come next.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute  # noqa: F401 - registers pa.compute
+import torch
+import torch.distributed as dist
+
+from verl_hpc.algo import grpo_advantages
+from verl_hpc.config import RunConfig
+from verl_hpc.data.prompts import PromptSampler
+from verl_hpc.data.rollout_batch import RolloutBatch
+from verl_hpc.metrics import MetricsLogger, Progress, memory_metrics
+from verl_hpc.roles.actor import UpdatePlan
+from verl_hpc.roles.forward import to_device
+from verl_hpc.roles.weight_sync import broadcast_weights, gather_only, stream_into
+from verl_hpc.runtime.dist import DistContext
+from verl_hpc.runtime.dist_roles import build_roles
+from verl_hpc.runtime.step_metrics import data_metrics, perf_metrics
+from verl_hpc.runtime.trainer import Timer, seed_everything
+from verl_hpc.utils.logging import get_logger
+
+log = get_logger("dist_trainer")
+
+
+def shard_range(total: int, parts: int, index: int) -> tuple[int, int]:
+    """Contiguous [start, end) of `total` items for part `index` of `parts` (sizes differ by ≤ 1)."""
+    base, extra = divmod(total, parts)
+    start = index * base + min(index, extra)
+    return start, start + base + (1 if index < extra else 0)
+
+
+class DistributedTrainer:
+    def __init__(self, cfg: RunConfig, ctx: DistContext, run_dir: Path):
+        self.cfg, self.ctx, self.run_dir = cfg, ctx, run_dir
+        self.step, self.policy_version = 0, 0
+        self.is_leader = ctx.env.rank == ctx.plan.group_ranks("trainer")[0]
+
+    def train(self) -> None:
+        cfg, ctx = self.cfg, self.ctx
+        seed_everything(cfg.trainer.seed + ctx.env.rank)
+        self.roles = build_roles(cfg, ctx, self.run_dir)
+        prompts_per_step = cfg.trainer.batch_size // cfg.algorithm.sampling.n
+        self.sampler = PromptSampler(len(self.roles.dataset), prompts_per_step, cfg.trainer.seed, cfg.data.shuffle)
+        logger = MetricsLogger(self.run_dir / "tensorboard", cfg.logging.tensorboard) if self.is_leader else None
+        progress = Progress(cfg.trainer.total_steps, 0, cfg.logging.progress) if self.is_leader else None
+        ctx.barrier("start")
+        try:
+            while self.step < cfg.trainer.total_steps:
+                self.step += 1
+                metrics = self.train_step()
+                if logger is not None and progress is not None:
+                    logger.log_scalars(self.step, metrics)
+                    progress.update(self.step, {"score": metrics["critic/score/mean"],
+                                                "s/step": metrics["timing_s/step"]})
+            ctx.barrier("end")
+            if cfg.trainer.save_hf_model and ctx.is_role("actor"):
+                self.save_hf_model()
+        finally:
+            if progress is not None:
+                progress.close()
+            if logger is not None:
+                logger.close()
+            self.roles.close()
+
+    def train_step(self) -> dict[str, float]:
+        timer, roles = Timer(), self.roles
+        with timer("step"):
+            indices = self.sampler.next_indices()
+            with timer("gen"):
+                local = self.generate(indices) if roles.engine is not None else None
+            full = self.collect(local)
+            if roles.reward_model is not None or self.ctx.is_role("reward"):
+                with timer("reward"):
+                    full = roles.score_with_model(full, self.ctx, self.is_leader)
+            metrics: dict[str, float] = {}
+            if self.ctx.is_role("actor"):
+                metrics = self.train_on(full, timer)
+            with timer("update_weights"):
+                sync_bytes = self.sync_weights()
+        if self.is_leader:
+            metrics.update(timer.seconds)
+            metrics["perf/weight_sync_bytes"] = float(sync_bytes)
+            metrics["perf/throughput"] = metrics.get("perf/total_num_tokens", 0.0) / timer.seconds["timing_s/step"]
+        return metrics
+
+    def generate(self, indices: list[int]) -> RolloutBatch:
+        """This generator's slice of the step's prompts, n samples each, scored by the rule reward."""
+        roles, n = self.roles, self.cfg.algorithm.sampling.n
+        generators = self.ctx.group.size
+        start, end = shard_range(len(indices), generators, self.ctx.rank_in_group)
+        mine = indices[start:end]
+        prompt_ids = [roles.prompt_ids[i] for i in mine for _ in range(n)]
+        out = roles.engine.generate(prompt_ids, self.cfg.algorithm.sampling) if prompt_ids else None
+        batch = RolloutBatch.from_generation(
+            prompt_ids, out.response_ids if out else [], out.logprobs if out else [],
+            group_ids=[start + g for g in range(len(mine)) for _ in range(n)],
+            prompt_index=[i for i in mine for _ in range(n)],
+            ground_truth=[roles.dataset.answers[i] for i in mine for _ in range(n)],
+            policy_version=self.policy_version)
+        if roles.rule_reward is not None and len(batch):
+            batch = batch.with_columns(score=roles.rule_reward.score(batch))
+        return batch
+
+    def collect(self, local: RolloutBatch | None) -> RolloutBatch | None:
+        """All generators' batches, concatenated in group order, on trainer rank 0."""
+        ctx, roles = self.ctx, self.roles
+        if ctx.plan.groups[0].roles.count("rollout"):  # colocated: gather inside the trainer group
+            parts: list[bytes | None] = [None] * ctx.group.size if self.is_leader else []
+            dist.gather_object(local.to_ipc() if local is not None else b"", parts if self.is_leader else None,
+                               dst=ctx.plan.group_ranks("trainer")[0], group=ctx.process_group)
+            if not self.is_leader:
+                return None
+            batches = [RolloutBatch.from_ipc(p) for p in parts if p]
+        elif ctx.is_role("rollout"):
+            roles.flight_client.put(local)
+            return None
+        elif self.is_leader:
+            batches = [roles.flight_server.get(timeout=ctx.timeout_seconds) for _ in range(roles.num_generators)]
+        else:
+            return None
+        return _sorted_by_group(RolloutBatch.concat(batches))
+
+    def train_on(self, full: RolloutBatch | None, timer: Timer) -> dict[str, float]:
+        """Advantages on rank 0, shards to every trainer rank, then the sharded updates."""
+        ctx, roles, cfg = self.ctx, self.roles, self.cfg
+        payload: list[object] = [None]
+        if self.is_leader:
+            with timer("adv"):
+                full = self.add_grpo_advantages(full) if cfg.algorithm.name == "grpo" else full
+            payload = [full.to_ipc()]
+        dist.broadcast_object_list(payload, src=ctx.plan.group_ranks("trainer")[0], group=ctx.process_group)
+        batch = RolloutBatch.from_ipc(payload[0])  # type: ignore[arg-type]
+        start, end = shard_range(len(batch), ctx.group.size, ctx.rank_in_group)
+        shard = batch.take(list(range(start, end)))
+        inputs = to_device(shard.model_inputs(roles.pad_id), roles.device)
+        if cfg.algorithm.name == "grpo":
+            width = inputs["response_mask"].shape[1]
+            inputs["advantages"] = shard.token_tensor("advantages", width).to(roles.device)
+        metrics = roles.update(inputs, shard, UpdatePlan.from_config(cfg.algorithm, len(shard)), timer, ctx)
+        if self.is_leader:
+            metrics.update(data_metrics(batch.scores(), batch.model_inputs(roles.pad_id),
+                                        cfg.algorithm.sampling.max_new_tokens))
+            metrics.update(perf_metrics(batch.model_inputs(roles.pad_id), 1.0))
+            metrics.update(memory_metrics(roles.device))
+            metrics["actor/policy_version"] = float(self.policy_version + 1)
+            metrics["rollout/policy_lag"] = float(self.policy_version - min(
+                batch.column("policy_version").to_pylist()))
+        return metrics
+
+    def add_grpo_advantages(self, batch: RolloutBatch) -> RolloutBatch:
+        scores = batch.scores()
+        group_ids = torch.tensor(batch.column("group_id").to_numpy(), dtype=torch.long)
+        mask = batch.model_inputs(self.roles.pad_id)["response_mask"]
+        adv, _ = grpo_advantages(scores, group_ids, mask, self.cfg.algorithm.norm_adv_by_std)
+        return batch.with_columns(advantages=adv, returns=adv)
+
+    def sync_weights(self) -> int:
+        """New actor weights into every engine; returns the bytes moved by this rank."""
+        ctx, roles = self.ctx, self.roles
+        self.policy_version += 1
+        if "rollout" in ctx.plan.groups[0].roles:
+            return stream_into(roles.actor.model, roles.engine.model) if ctx.is_role("actor") else 0
+        group = ctx.sync_groups.get("rollout")
+        leader = ctx.plan.group_ranks("trainer")[0]
+        if ctx.is_role("actor") and group is None:
+            gather_only(roles.actor.model)
+            return 0
+        model = roles.actor.model if ctx.is_role("actor") else roles.engine.model
+        if model is None or group is None:
+            return 0
+        version, moved = broadcast_weights(model, group, leader, self.policy_version, ctx.is_role("actor"))
+        if ctx.is_role("rollout"):
+            roles.engine.policy_version = version
+        return moved
+
+    def save_hf_model(self) -> None:
+        from verl_hpc.checkpoint.hf_export import save_hf_directory
+        from verl_hpc.config.checks import expand_path
+        from verl_hpc.runtime.components import DTYPES
+
+        model = self.roles.export_model(str(expand_path(self.cfg.model.path)), DTYPES[self.cfg.model.dtype],
+                                        self.is_leader)
+        if model is not None:
+            save_hf_directory(model, self.roles.tokenizer, self.run_dir / "hf_model")
+            log.info("saved %s", self.run_dir / "hf_model")
+
+
+def _sorted_by_group(batch: RolloutBatch) -> RolloutBatch:
+    order = pa.compute.sort_indices(batch.record_batch, sort_keys=[("group_id", "ascending")])
+    return batch.take(order.to_numpy())
+

@@ -1,0 +1,42 @@
+"""One process of the distributed runtime: `python -m verl_hpc.runtime.worker`.
+
+Started by the local launcher or by `srun` in a Slurm (het)job; everything it needs
+comes from the environment (rank, world, master) and the run directory (config.yaml).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from verl_hpc.config import load_config
+from verl_hpc.config.placement import plan_for_config
+from verl_hpc.runtime.dist import init_distributed
+from verl_hpc.runtime.dist_trainer import DistributedTrainer
+from verl_hpc.runtime.env import JobEnvironment
+from verl_hpc.utils.logging import setup_logging
+
+
+def main() -> int:
+    run_dir = Path(os.environ["VERL_HPC_RUN_DIR"])
+    cfg = load_config(run_dir / "config.yaml")
+    if cfg.trainer.torch_threads:
+        import torch
+
+        torch.set_num_threads(cfg.trainer.torch_threads)
+    env = JobEnvironment.from_env()
+    plan = plan_for_config(cfg)
+    group, rank_in_group = plan.locate(env.rank)
+    setup_logging(run_dir / "logs", group.name, env.rank, cfg.logging.level, console=rank_in_group == 0)
+    env.write_debug_file(run_dir / "logs" / f"env_{group.name}_rank{env.rank}.json")
+    ctx = init_distributed(env, plan, cfg.resources.resolved_backend(), cfg.resources.timeout_seconds)
+    try:
+        DistributedTrainer(cfg, ctx, run_dir).train()
+    finally:
+        ctx.destroy()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
