@@ -59,7 +59,7 @@ def test_killed_worker_is_named_and_nothing_is_left(tmp_path: Path, tiny_model_d
     while time.monotonic() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
         time.sleep(0.5)
     workers = _workers(launcher)
-    assert sorted(workers) == [0, 1, 2]
+    assert sorted(workers) == [0, 1, 2, 3]
     everything = [launcher, *launcher.children(recursive=True)]
     killed_at = time.monotonic()
     os.kill(workers[2].pid, signal.SIGKILL)
@@ -70,3 +70,57 @@ def test_killed_worker_is_named_and_nothing_is_left(tmp_path: Path, tiny_model_d
     time.sleep(1)
     alive = [p for p in everything if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert not alive, alive
+
+
+def test_max_staleness_one_overlaps_generation_with_training(tmp_path: Path, tiny_model_dir: Path) -> None:
+    from tests.conftest import run_cli
+    from verl_hpc.metrics import read_jsonl_metrics
+
+    run_dir = tmp_path / "run"
+    proc = run_cli("train", "configs/quickstart_split.yaml", "--run-dir", str(run_dir), f"model.path={tiny_model_dir}",
+                   "trainer.total_steps=150", "algorithm.max_staleness=1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_jsonl_metrics(run_dir / "tensorboard" / "metrics.jsonl")
+    lags = [r["rollout/policy_lag"] for r in rows]
+    assert max(lags) == 1.0 and lags[0] == 0.0 and all(lag == 1.0 for lag in lags[1:])
+    rollout_rows = read_jsonl_metrics(run_dir / "tensorboard" / "rollout_rank2" / "metrics.jsonl")
+    generating = sum(r["timing_s/gen"] for r in rollout_rows[2:])
+    waiting = sum(r["timing_s/wait_rollout"] for r in rows[2:])
+    assert waiting < 0.5 * generating, (waiting, generating)  # generation hidden behind training
+    first, last = window_means([r["critic/score/mean"] for r in rows])
+    assert last > first + 0.2, (first, last)
+
+
+REWARD_SPY = '''
+import os
+def score(prompt, response, ground_truth, **_):
+    from verl_hpc.data.tasks.arithmetic import score as exact
+    value = exact(prompt=prompt, response=response, ground_truth=ground_truth)
+    with open(os.environ["SPY_FILE"], "a") as f:
+        f.write(f"{os.getpid()}\\t{value}\\n")
+    return value
+'''
+
+
+def test_reward_role_scores_every_rollout_once_in_parallel(tmp_path: Path, tiny_model_dir: Path) -> None:
+    from tests.conftest import run_cli
+    from verl_hpc.metrics import read_jsonl_metrics
+
+    (tmp_path / "spy.py").write_text(REWARD_SPY)
+    spy = tmp_path / "spy.tsv"
+    os.environ["SPY_FILE"] = str(spy)
+    try:
+        proc = run_cli("train", "configs/quickstart_split.yaml", "--run-dir", str(tmp_path / "run"),
+                       f"model.path={tiny_model_dir}", "trainer.total_steps=3", "trainer.save_hf_model=false",
+                       f"reward.function={tmp_path / 'spy.py'}:score",
+                       "resources.reward={device_type: cpu, device_ids: [3, 4], strategy: data_parallel}")
+    finally:
+        del os.environ["SPY_FILE"]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line.split("\t") for line in spy.read_text().splitlines()]
+    assert len(lines) == 3 * 128  # every rollout scored exactly once
+    assert len({pid for pid, _ in lines}) == 2  # by the two reward processes
+    rows = read_jsonl_metrics(tmp_path / "run" / "tensorboard" / "metrics.jsonl")
+    for step, row in enumerate(rows):
+        values = [float(v) for _, v in lines[step * 128:(step + 1) * 128]]
+        assert row["critic/score/mean"] == pytest.approx(sum(values) / 128)

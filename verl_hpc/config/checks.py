@@ -164,6 +164,9 @@ def _load_file_module(file_name: str, field: str):  # -> ModuleType
 
 def _check_roles(cfg: RunConfig) -> None:
     res = cfg.resources
+    if cfg.algorithm.max_staleness > 0 and res.placement != "split":
+        raise FieldError("algorithm.max_staleness", "off-policy rollouts need their own processes to run ahead",
+                         "set resources.placement: split, or max_staleness: 0")
     if cfg.algorithm.kl.in_reward and cfg.algorithm.name != "ppo":
         raise FieldError("algorithm.kl.in_reward", "a KL penalty in the reward needs token-level rewards (PPO)",
                          "use algorithm.kl.in_reward: false (the KL loss) with GRPO")

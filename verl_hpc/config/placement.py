@@ -90,8 +90,12 @@ def plan_processes(resources: ResourceConfig, needs_critic: bool, needs_ref: boo
 
 
 def plan_for_config(cfg) -> ProcessPlan:  # cfg: RunConfig (imported lazily: schema imports this module's siblings)
-    """The process plan a run config implies (what needs a critic, a ref, a reward model)."""
+    """The process plan a run config implies (what needs a critic, a ref, a reward group).
+
+    A reward group exists when `resources.reward` is set: it scores with the reward model,
+    or runs the rule function there; without it, a rule runs beside the rollouts.
+    """
     algo = cfg.algorithm
     return plan_processes(cfg.resources, needs_critic=algo.name == "ppo",
                           needs_ref=algo.kl.estimator != "off" and algo.kl.coef > 0,
-                          reward_is_model=cfg.reward.model_path is not None)
+                          reward_is_model=cfg.reward.model_path is not None or cfg.resources.reward is not None)

@@ -47,7 +47,7 @@ class RoleSet:
     critic: Critic | None = None
     engine: HFRolloutEngine | None = None
     rule_reward: RuleReward | None = None
-    reward_model: ModelReward | None = None
+    scorer: ModelReward | RuleReward | None = None  # what scores batches on this rank (reward group)
     flight_server: Any = None
     flight_client: Any = None
     num_generators: int = 0
@@ -87,28 +87,29 @@ class RoleSet:
         inputs["advantages"] = ((adv - mean.float()) * torch.rsqrt(var.float() + 1e-8)) * mask
         inputs["returns"], inputs["token_rewards"] = returns, rewards
 
-    def score_with_model(self, batch: RolloutBatch | None, ctx: DistContext, is_leader: bool) -> RolloutBatch | None:
-        """Trainer rank 0 sends the batch to the reward group; each reward rank scores a slice."""
+    def score_batch(self, batch: RolloutBatch | None, ctx: DistContext, is_leader: bool) -> RolloutBatch | None:
+        """Scores from the reward group (each rank a slice), or from the model on rank 0."""
         group = ctx.sync_groups.get("reward")
-        if group is None:  # reward model inside the trainer group: rank 0 scores alone
-            if is_leader and self.reward_model is not None:
-                return batch.with_columns(score=self.reward_model.score(batch))  # type: ignore[union-attr]
+        if group is None:  # no reward group: a reward model, if any, sits on trainer rank 0
+            if is_leader and self.scorer is not None:
+                return batch.with_columns(score=self.scorer.score(batch))  # type: ignore[union-attr]
             return batch
         leader = ctx.plan.group_ranks("trainer")[0]
         payload: list[Any] = [batch.to_ipc() if is_leader and batch is not None else None]
         dist.broadcast_object_list(payload, src=leader, group=group)
-        scores: torch.Tensor | None = None
-        if self.reward_model is not None:
-            full = RolloutBatch.from_ipc(payload[0])
+        scores: list[float] | None = None
+        if self.scorer is not None:
             from verl_hpc.runtime.dist_trainer import shard_range
 
+            full = RolloutBatch.from_ipc(payload[0])
             start, end = shard_range(len(full), ctx.group.size, ctx.rank_in_group)
-            scores = self.reward_model.score(full.take(list(range(start, end))))
+            scores = self.scorer.score(full.take(list(range(start, end)))).tolist()
         gathered: list[Any] = [None] * dist.get_world_size(group) if is_leader else []
         dist.gather_object(scores, gathered if is_leader else None, dst=leader, group=group)
         if not is_leader:
             return batch
-        return batch.with_columns(score=torch.cat([s for s in gathered if s is not None]))  # type: ignore[union-attr]
+        merged = [x for part in gathered if part is not None for x in part]
+        return batch.with_columns(score=torch.tensor(merged, dtype=torch.float32))  # type: ignore[union-attr]
 
     def export_model(self, model_dir: str, dtype: torch.dtype, is_leader: bool) -> torch.nn.Module | None:
         """An unsharded copy of the actor on the leader, gathered one parameter at a time.
@@ -160,12 +161,19 @@ def build_roles(cfg: RunConfig, ctx: DistContext, run_dir: Path) -> RoleSet:
     if ctx.is_role("rollout"):
         engine_model = _load_causal_lm(model_dir, DTYPES[cfg.model.dtype]).to(device)
         roles.engine = HFRolloutEngine(engine_model, tokenizer, device)
-    if cfg.reward.function is not None and ctx.is_role("rollout"):
+    has_reward_group = any(g.name == "reward" for g in ctx.plan.groups)
+    if has_reward_group and ctx.group.name == "reward" or cfg.reward.model_path is not None and ctx.is_role("reward") and ctx.rank_in_group == 0:
+        roles.scorer = _build_scorer(cfg, tokenizer, device)
+    elif cfg.reward.function is not None and ctx.is_role("rollout") and not has_reward_group:
         roles.rule_reward = RuleReward(resolve_function(cfg.reward.function, "reward.function"), tokenizer)
-    if cfg.reward.model_path is not None and ctx.is_role("reward") and ctx.group.name == "reward" or cfg.reward.model_path is not None and ctx.is_role("reward") and ctx.rank_in_group == 0:
-        roles.reward_model = ModelReward(str(expand_path(cfg.reward.model_path)), device)
     _connect_rollouts(cfg, ctx, roles, run_dir)
     return roles
+
+
+def _build_scorer(cfg: RunConfig, tokenizer, device: torch.device) -> ModelReward | RuleReward:
+    if cfg.reward.model_path is not None:
+        return ModelReward(str(expand_path(cfg.reward.model_path)), device)
+    return RuleReward(resolve_function(cfg.reward.function or "", "reward.function"), tokenizer)
 
 
 def _device_for(ctx: DistContext) -> torch.device:
@@ -198,8 +206,6 @@ def _build_trainer(cfg: RunConfig, ctx: DistContext, roles: RoleSet, model_dir: 
     if "rollout" in ctx.group.roles:  # colocated engine: its own unsharded copy, refreshed per step
         engine_model = _load_causal_lm(model_dir, dtype).to(roles.device)
         roles.engine = HFRolloutEngine(engine_model, roles.tokenizer, roles.device)
-    roles.rule_reward = RuleReward(resolve_function(cfg.reward.function, "reward.function"), roles.tokenizer) \
-        if cfg.reward.function is not None and "rollout" in ctx.group.roles else None
 
 
 def _connect_rollouts(cfg: RunConfig, ctx: DistContext, roles: RoleSet, run_dir: Path) -> None:

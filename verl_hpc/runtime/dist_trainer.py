@@ -59,6 +59,9 @@ class DistributedTrainer:
         prompts_per_step = cfg.trainer.batch_size // cfg.algorithm.sampling.n
         self.sampler = PromptSampler(len(self.roles.dataset), prompts_per_step, cfg.trainer.seed, cfg.data.shuffle)
         logger = MetricsLogger(self.run_dir / "tensorboard", cfg.logging.tensorboard) if self.is_leader else None
+        self.rollout_logger = MetricsLogger(self.run_dir / "tensorboard" / f"rollout_rank{ctx.env.rank}",
+                                            cfg.logging.tensorboard) \
+            if self.split and ctx.is_role("rollout") and ctx.rank_in_group == 0 else None
         progress = Progress(cfg.trainer.total_steps, 0, cfg.logging.progress) if self.is_leader else None
         ctx.barrier("start")
         try:
@@ -75,30 +78,67 @@ class DistributedTrainer:
         finally:
             if progress is not None:
                 progress.close()
-            if logger is not None:
-                logger.close()
+            for sink in (logger, self.rollout_logger):
+                if sink is not None:
+                    sink.close()
             self.roles.close()
 
+    @property
+    def has_reward_group(self) -> bool:
+        return any(g.name == "reward" for g in self.ctx.plan.groups)
+
+    @property
+    def split(self) -> bool:
+        return "rollout" not in self.ctx.plan.groups[0].roles
+
     def train_step(self) -> dict[str, float]:
-        timer, roles = Timer(), self.roles
+        """One step of this rank's part; returns metrics on trainer rank 0 (else {})."""
+        timer, roles, ctx = Timer(), self.roles, self.ctx
         with timer("step"):
             indices = self.sampler.next_indices()
-            with timer("gen"):
-                local = self.generate(indices) if roles.engine is not None else None
-            full = self.collect(local)
-            if roles.reward_model is not None or self.ctx.is_role("reward"):
+            if self.split and ctx.is_role("rollout"):
+                return self.rollout_step(indices, timer)
+            local = None
+            if roles.engine is not None:
+                with timer("gen"):
+                    local = self.generate(indices)
+            full = None
+            if ctx.is_role("actor"):
+                with timer("wait_rollout"):
+                    full = self.collect(local)
+            if self.has_reward_group or roles.scorer is not None:
                 with timer("reward"):
-                    full = roles.score_with_model(full, self.ctx, self.is_leader)
-            metrics: dict[str, float] = {}
-            if self.ctx.is_role("actor"):
-                metrics = self.train_on(full, timer)
+                    full = roles.score_batch(full, ctx, self.is_leader)
+            if not ctx.is_role("actor"):
+                return {}
+            metrics = self.train_on(full, timer)
             with timer("update_weights"):
-                sync_bytes = self.sync_weights()
+                sync_bytes = self.send_weights()
         if self.is_leader:
             metrics.update(timer.seconds)
             metrics["perf/weight_sync_bytes"] = float(sync_bytes)
             metrics["perf/throughput"] = metrics.get("perf/total_num_tokens", 0.0) / timer.seconds["timing_s/step"]
         return metrics
+
+    def rollout_step(self, indices: list[int], timer: Timer) -> dict[str, float]:
+        """Split placement: take the weights of version step-k-1, generate, send the batch.
+
+        With `max_staleness: k` the rollout runs k batches ahead of the trainer, so step
+        s's batch comes from weights s-1-k versions old while the trainer is at s-1: the
+        generation of batch s+1 overlaps the trainer's update on batch s.
+        """
+        lag = self.cfg.algorithm.max_staleness
+        if self.step > lag + 1:
+            with timer("update_weights"):
+                self.receive_weights()
+        with timer("gen"):
+            batch = self.generate(indices)
+        with timer("send"):
+            self.roles.flight_client.put(batch)
+        if self.rollout_logger is not None:
+            self.rollout_logger.log_scalars(self.step, {**timer.seconds, "rollout/policy_version":
+                                                        float(self.roles.engine.policy_version)})
+        return {}
 
     def generate(self, indices: list[int]) -> RolloutBatch:
         """This generator's slice of the step's prompts, n samples each, scored by the rule reward."""
@@ -113,7 +153,7 @@ class DistributedTrainer:
             group_ids=[start + g for g in range(len(mine)) for _ in range(n)],
             prompt_index=[i for i in mine for _ in range(n)],
             ground_truth=[roles.dataset.answers[i] for i in mine for _ in range(n)],
-            policy_version=self.policy_version)
+            policy_version=roles.engine.policy_version)
         if roles.rule_reward is not None and len(batch):
             batch = batch.with_columns(score=roles.rule_reward.score(batch))
         return batch
@@ -160,9 +200,16 @@ class DistributedTrainer:
             metrics.update(perf_metrics(batch.model_inputs(roles.pad_id), 1.0))
             metrics.update(memory_metrics(roles.device))
             metrics["actor/policy_version"] = float(self.policy_version + 1)
-            metrics["rollout/policy_lag"] = float(self.policy_version - min(
-                batch.column("policy_version").to_pylist()))
+            metrics["rollout/policy_lag"] = float(self.check_staleness(batch))
         return metrics
+
+    def check_staleness(self, batch: RolloutBatch) -> int:
+        """How many versions behind the actor the oldest rollout is; never above the limit."""
+        lag = self.policy_version - min(batch.column("policy_version").to_pylist())
+        if lag > self.cfg.algorithm.max_staleness:
+            raise RuntimeError(f"step {self.step}: a rollout is {lag} policy versions old, above "
+                               f"algorithm.max_staleness={self.cfg.algorithm.max_staleness}")
+        return lag
 
     def add_grpo_advantages(self, batch: RolloutBatch) -> RolloutBatch:
         scores = batch.scores()
@@ -171,24 +218,28 @@ class DistributedTrainer:
         adv, _ = grpo_advantages(scores, group_ids, mask, self.cfg.algorithm.norm_adv_by_std)
         return batch.with_columns(advantages=adv, returns=adv)
 
-    def sync_weights(self) -> int:
-        """New actor weights into every engine; returns the bytes moved by this rank."""
+    def send_weights(self) -> int:
+        """Trainer side: new actor weights into the engines; returns the bytes this rank moved."""
         ctx, roles = self.ctx, self.roles
         self.policy_version += 1
-        if "rollout" in ctx.plan.groups[0].roles:
-            return stream_into(roles.actor.model, roles.engine.model) if ctx.is_role("actor") else 0
+        if not self.split:
+            moved = stream_into(roles.actor.model, roles.engine.model)
+            roles.engine.policy_version = self.policy_version
+            return moved
+        last_needed = self.cfg.trainer.total_steps - self.cfg.algorithm.max_staleness - 1
+        if self.step > last_needed:
+            return 0  # the rollout has generated its last batch: nobody is listening
         group = ctx.sync_groups.get("rollout")
-        leader = ctx.plan.group_ranks("trainer")[0]
-        if ctx.is_role("actor") and group is None:
+        if group is None:
             gather_only(roles.actor.model)
             return 0
-        model = roles.actor.model if ctx.is_role("actor") else roles.engine.model
-        if model is None or group is None:
-            return 0
-        version, moved = broadcast_weights(model, group, leader, self.policy_version, ctx.is_role("actor"))
-        if ctx.is_role("rollout"):
-            roles.engine.policy_version = version
-        return moved
+        leader = ctx.plan.group_ranks("trainer")[0]
+        return broadcast_weights(roles.actor.model, group, leader, self.policy_version, True)[1]
+
+    def receive_weights(self) -> None:
+        leader = self.ctx.plan.group_ranks("trainer")[0]
+        version, _ = broadcast_weights(self.roles.engine.model, self.ctx.sync_groups["rollout"], leader, -1, False)
+        self.roles.engine.policy_version = version
 
     def save_hf_model(self) -> None:
         from verl_hpc.checkpoint.hf_export import save_hf_directory

@@ -43,6 +43,9 @@ class HFRolloutEngine:
             do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or None,
             max_new_tokens=sampling.max_new_tokens, pad_token_id=self.pad_id, eos_token_id=self.eos_id,
             output_logits=True, return_dict_in_generate=True,
+            # Padding is not an action: a sampled pad would be cut from the sequence by every
+            # consumer that strips padding (reward models, the trainer's masks).
+            suppress_tokens=[self.pad_id] if self.pad_id != self.eos_id else None,
             stopping_criteria=[stopper] if stopper else None,
         )
         self.model.train(was_training)
