@@ -124,3 +124,28 @@ def test_reward_role_scores_every_rollout_once_in_parallel(tmp_path: Path, tiny_
     for step, row in enumerate(rows):
         values = [float(v) for _, v in lines[step * 128:(step + 1) * 128]]
         assert row["critic/score/mean"] == pytest.approx(sum(values) / 128)
+
+
+def test_hung_rollout_is_named_within_the_timeout(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """A rollout that stops answering (SIGSTOP) is a named failure, never a silent hang."""
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    cli = subprocess.Popen([sys.executable, "-m", "verl_hpc", "train", "configs/quickstart_split.yaml",
+                            "--run-dir", str(run_dir), f"model.path={tiny_model_dir}", "trainer.total_steps=5000",
+                            "resources.timeout_seconds=10"], cwd=REPO, env=env, text=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    launcher = psutil.Process(cli.pid)
+    metrics = run_dir / "tensorboard" / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
+        time.sleep(0.5)
+    workers = _workers(launcher)
+    everything = [launcher, *launcher.children(recursive=True)]
+    stopped_at = time.monotonic()
+    os.kill(workers[2].pid, signal.SIGSTOP)
+    _, stderr = cli.communicate(timeout=10 + 40)
+    assert cli.returncode != 0
+    assert time.monotonic() - stopped_at < 10 + 25
+    assert "suspect: rollout rank 2" in stderr or "rollout rank(s) [2] did not deliver" in stderr, stderr[-2000:]
+    time.sleep(1)
+    assert not [p for p in everything if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]

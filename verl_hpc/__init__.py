@@ -9,14 +9,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from verl_hpc.config import ConfigError, RunConfig, load_config, load_resource_config
+from verl_hpc.config import ConfigError, Dataflow, RunConfig, load_config, load_resource_config
 
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from verl_hpc.runtime.trainer import HybridTrainer
 
-__all__ = ["ConfigError", "HybridTrainer", "RunConfig", "__version__", "load_config", "load_resource_config"]
+__all__ = ["ConfigError", "Dataflow", "HybridTrainer", "RunConfig", "__version__", "load_config", "load_resource_config"]
 
 
 def __getattr__(name: str) -> Any:

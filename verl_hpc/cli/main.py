@@ -83,11 +83,55 @@ def _cmd_init_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_ckpt(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("ckpt", help="inspect a run's checkpoints")
+    csub = p.add_subparsers(dest="ckpt_cmd", required=True)
+    ls = csub.add_parser("list", help="table of RUN_DIR/checkpoints: committed, partial and corrupt ones")
+    ls.add_argument("run_dir")
+    ls.add_argument("--verify", choices=["sizes", "sha256"], default="sizes",
+                    help="sha256 re-reads every file (slow, finds bit flips)")
+    ls.set_defaults(func=_cmd_ckpt_list)
+
+
+def _add_export(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("export", help="write a checkpoint's policy as a Hugging Face model directory")
+    p.add_argument("checkpoint", help="a step_N checkpoint directory, or a run directory (its latest)")
+    p.add_argument("out_dir")
+    p.add_argument("--model-dir", help="the original model (default: the one recorded in the checkpoint)")
+    p.add_argument("--prefix", default="actor.model.", help="state key prefix of the policy's weights")
+    p.set_defaults(func=_cmd_export)
+
+
+def _cmd_ckpt_list(args: argparse.Namespace) -> int:
+    from verl_hpc.checkpoint.layout import CheckpointError, checkpoints_root, format_table, list_checkpoints
+
+    try:
+        root = checkpoints_root(args.run_dir)
+    except CheckpointError as err:
+        raise ConfigError("run_dir", str(err)) from None
+    infos = list_checkpoints(root, verify=args.verify)
+    print(format_table(infos) if infos else f"no checkpoints in {root}")
+    return 0
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from verl_hpc.checkpoint.export import export_hf
+    from verl_hpc.checkpoint.layout import CheckpointError, resolve_checkpoint
+
+    try:
+        ckpt = resolve_checkpoint(args.checkpoint)
+        out = export_hf(ckpt, args.out_dir, args.model_dir, args.prefix)
+    except CheckpointError as err:
+        raise ConfigError("checkpoint", str(err)) from None
+    print(f"exported {ckpt} to {out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="verl-hpc", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"verl-hpc {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_train, _add_config, _add_init_model):
+    for add in (_add_train, _add_config, _add_init_model, _add_ckpt, _add_export):
         add(sub)
     return parser
 

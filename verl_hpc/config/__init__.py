@@ -1,5 +1,6 @@
 """Typed, validated configuration: the first layer; nothing here imports the layers above."""
 
+from verl_hpc.config.dataflow import Dataflow
 from verl_hpc.config.errors import ConfigError, FieldError
 from verl_hpc.config.loader import apply_overrides, dump_config, load_config, load_resource_config, read_yaml
 from verl_hpc.config.resources import ROLE_NAMES, ResourceConfig, RoleResources, VllmArgs
@@ -17,7 +18,7 @@ from verl_hpc.config.schema import (
 )
 
 __all__ = [
-    "ROLE_NAMES", "AlgorithmConfig", "CheckpointConfig", "ConfigError", "DataConfig", "FieldError",
+    "ROLE_NAMES", "AlgorithmConfig", "CheckpointConfig", "ConfigError", "DataConfig", "Dataflow", "FieldError",
     "LoggingConfig", "ModelConfig", "ResourceConfig", "RewardConfig", "RoleResources", "RunConfig",
     "SamplingConfig", "SlurmConfig", "TrainerConfig", "VllmArgs", "apply_overrides", "dump_config",
     "load_config", "load_resource_config", "read_yaml",

@@ -32,6 +32,7 @@ from verl_hpc.roles.forward import to_device
 from verl_hpc.roles.weight_sync import broadcast_weights, gather_only, stream_into
 from verl_hpc.runtime.dist import DistContext
 from verl_hpc.runtime.dist_roles import build_roles
+from verl_hpc.runtime.heartbeat import Heartbeat, StallError, is_timeout
 from verl_hpc.runtime.step_metrics import data_metrics, perf_metrics
 from verl_hpc.runtime.trainer import Timer, seed_everything
 from verl_hpc.utils.logging import get_logger
@@ -63,11 +64,12 @@ class DistributedTrainer:
                                             cfg.logging.tensorboard) \
             if self.split and ctx.is_role("rollout") and ctx.rank_in_group == 0 else None
         progress = Progress(cfg.trainer.total_steps, 0, cfg.logging.progress) if self.is_leader else None
+        self.heartbeat = Heartbeat(ctx.plan, ctx.env.rank, _default_store())
         ctx.barrier("start")
         try:
             while self.step < cfg.trainer.total_steps:
                 self.step += 1
-                metrics = self.train_step()
+                metrics = self.guarded_step()
                 if logger is not None and progress is not None:
                     logger.log_scalars(self.step, metrics)
                     progress.update(self.step, {"score": metrics["critic/score/mean"],
@@ -91,9 +93,20 @@ class DistributedTrainer:
     def split(self) -> bool:
         return "rollout" not in self.ctx.plan.groups[0].roles
 
+    def guarded_step(self) -> dict[str, float]:
+        """`train_step`, with any timeout turned into an error that names the stuck rank."""
+        try:
+            return self.train_step()
+        except (RuntimeError, TimeoutError) as err:
+            if not is_timeout(err):
+                raise
+            raise StallError(f"step {self.step} timed out on {self.ctx.group.name} rank {self.ctx.env.rank}: "
+                             f"{str(err).splitlines()[0][:300]} -- {self.heartbeat.describe_stall()}") from err
+
     def train_step(self) -> dict[str, float]:
         """One step of this rank's part; returns metrics on trainer rank 0 (else {})."""
-        timer, roles, ctx = Timer(), self.roles, self.ctx
+        timer, roles, ctx = Timer(on_enter=lambda name: self.heartbeat.enter(f"step {self.step} {name}")), \
+            self.roles, self.ctx
         with timer("step"):
             indices = self.sampler.next_indices()
             if self.split and ctx.is_role("rollout"):
@@ -172,10 +185,25 @@ class DistributedTrainer:
             roles.flight_client.put(local)
             return None
         elif self.is_leader:
-            batches = [roles.flight_server.get(timeout=ctx.timeout_seconds) for _ in range(roles.num_generators)]
+            batches = self.receive_rollouts()
         else:
             return None
         return _sorted_by_group(RolloutBatch.concat(batches))
+
+    def receive_rollouts(self) -> list[RolloutBatch]:
+        """This step's batch from every rollout rank, or an error naming who did not deliver."""
+        roles, ctx = self.roles, self.ctx
+        batches: list[RolloutBatch] = []
+        for _ in range(roles.num_generators):
+            try:
+                batches.append(roles.flight_server.get(timeout=ctx.timeout_seconds))
+            except TimeoutError:
+                ranks = ctx.plan.group_ranks(ctx.plan.group_of_role("rollout").name)
+                raise TimeoutError(
+                    f"step {self.step}: got {len(batches)} of {roles.num_generators} rollout batches within "
+                    f"timeout_seconds={ctx.timeout_seconds:g}; rollout rank(s) {ranks} did not deliver "
+                    "(hint: see logs/rollout_rank*.out)") from None
+        return batches
 
     def train_on(self, full: RolloutBatch | None, timer: Timer) -> dict[str, float]:
         """Advantages on rank 0, shards to every trainer rank, then the sharded updates."""
@@ -251,6 +279,13 @@ class DistributedTrainer:
         if model is not None:
             save_hf_directory(model, self.roles.tokenizer, self.run_dir / "hf_model")
             log.info("saved %s", self.run_dir / "hf_model")
+
+
+def _default_store():
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError):
+        return None
 
 
 def _sorted_by_group(batch: RolloutBatch) -> RolloutBatch:

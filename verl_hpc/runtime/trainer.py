@@ -44,11 +44,14 @@ class TrainResult:
 class Timer:
     """Collects `timing_s/<name>` for one step."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_enter=None) -> None:
         self.seconds: dict[str, float] = {}
+        self.on_enter = on_enter
 
     @contextlib.contextmanager
     def __call__(self, name: str):
+        if self.on_enter is not None:
+            self.on_enter(name)
         start = time.perf_counter()
         yield
         self.seconds[f"timing_s/{name}"] = self.seconds.get(f"timing_s/{name}", 0.0) + time.perf_counter() - start

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+import traceback
 from pathlib import Path
 
 from verl_hpc.config import load_config
@@ -15,7 +16,7 @@ from verl_hpc.config.placement import plan_for_config
 from verl_hpc.runtime.dist import init_distributed
 from verl_hpc.runtime.dist_trainer import DistributedTrainer
 from verl_hpc.runtime.env import JobEnvironment
-from verl_hpc.utils.logging import setup_logging
+from verl_hpc.utils.logging import get_logger, setup_logging
 
 
 def main() -> int:
@@ -33,6 +34,11 @@ def main() -> int:
     ctx = init_distributed(env, plan, cfg.resources.resolved_backend(), cfg.resources.timeout_seconds)
     try:
         DistributedTrainer(cfg, ctx, run_dir).train()
+    except Exception as err:  # the launcher shows a log's last lines: make the cause the last one
+        traceback.print_exc()
+        get_logger("worker").error("failed: %s", err, exc_info=True)
+        print(f"[{group.name} rank {env.rank}] FAILED: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+        return 1
     finally:
         ctx.destroy()
     return 0
