@@ -5,8 +5,7 @@ Why this shape:
   `root/step_{N:08d}/` only after every rank finished and rank 0 wrote and fsynced
   `manifest.json` (size + sha256 of every file): a job killed at any moment leaves either
   no new checkpoint or a complete one, never a half one that resume would load.
-- Tensors go through torch.distributed.checkpoint (DCP), so a checkpoint saved by N
-  ranks loads on M ranks: the loader passes state dicts built for its own sharding.
+- Tensors go through DCP, so N ranks save and M ranks load (with state dicts of their sharding).
 - Nothing is unpickled on load beyond DCP's own metadata classes (see layout.py). DCP
   would pickle non-tensor values and load them with `weights_only=False`, so the
   non-tensor leaves of the state (optimizer hyper-parameters, counters) are stored as
@@ -59,9 +58,6 @@ from verl_hpc.checkpoint.layout import (
     step_dir_name,
     write_file,
 )
-
-__all__ = ["CheckpointError", "CheckpointInfo", "CheckpointManager", "latest_checkpoint", "list_checkpoints",
-           "read_manifest", "read_rank_file", "read_shared", "step_dir_name"]
 
 log = logging.getLogger(__name__)
 

@@ -178,6 +178,9 @@ def _check_roles(cfg: RunConfig) -> None:
         raise FieldError("resources.ref.strategy", "none disables the reference model, but "
                          f"algorithm.kl.estimator is {cfg.algorithm.kl.estimator}",
                          "set algorithm.kl.estimator: off, or give ref a strategy")
+    if cfg.model.mixed_precision != "none" and res.actor.device_type == "cpu":
+        raise FieldError("model.mixed_precision", f"{cfg.model.mixed_precision} compute is for GPUs",
+                         "use model.mixed_precision: none (fp32) on CPU")
     if cfg.model.dtype != "float32" and "cpu" in {res.actor.device_type}:
         raise FieldError("model.dtype", f"{cfg.model.dtype} training on CPU is not supported",
                          "use model.dtype: float32 on CPU")

@@ -32,6 +32,8 @@ class ModelConfig(StrictModel):
     init_preset: str | None = None
     init_seed: int = 0
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    # FSDP2 compute dtype; master weights, optimizer state and gradient reduction stay fp32.
+    mixed_precision: Literal["none", "bfloat16", "float16"] = "none"
     critic_path: str | None = None
 
 

@@ -189,17 +189,18 @@ def _build_trainer(cfg: RunConfig, ctx: DistContext, roles: RoleSet, model_dir: 
     model = _load_causal_lm(model_dir, dtype).to(roles.device)
     if "ref" in ctx.group.roles:
         roles.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+    compute = {"none": None, "bfloat16": torch.bfloat16, "float16": torch.float16}[cfg.model.mixed_precision]
     if sharded:
-        shard_model(model, ctx.process_group, roles.device.type)
+        shard_model(model, ctx.process_group, roles.device.type, compute)
         if roles.ref_model is not None:
-            shard_model(roles.ref_model, ctx.process_group, roles.device.type)
+            shard_model(roles.ref_model, ctx.process_group, roles.device.type, compute)
     group = ctx.process_group if sharded else None
     roles.actor = Actor(model, algo, trainer.actor_optim, trainer.total_steps, dp_group=group)
     if "critic" in ctx.group.roles:
         critic_dir = str(expand_path(cfg.model.critic_path)) if cfg.model.critic_path else model_dir
         value_model = ValueModel.from_pretrained(critic_dir, dtype).to(roles.device)
         if sharded:
-            shard_model(value_model, ctx.process_group, roles.device.type)
+            shard_model(value_model, ctx.process_group, roles.device.type, compute)
         roles.critic = Critic(value_model, algo, trainer.critic_optim, trainer.total_steps, dp_group=group)
     if sharded and ctx.group.size > 1 and "rollout" not in ctx.group.roles:
         return

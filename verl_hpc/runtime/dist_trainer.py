@@ -112,9 +112,11 @@ class DistributedTrainer:
             if self.split and ctx.is_role("rollout"):
                 return self.rollout_step(indices, timer)
             local = None
-            if roles.engine is not None:
+            if roles.engine is not None:  # colocated: the engine wakes for generation only
                 with timer("gen"):
+                    roles.engine.wake_up()
                     local = self.generate(indices)
+                    roles.engine.sleep()
             full = None
             if ctx.is_role("actor"):
                 with timer("wait_rollout"):
