@@ -6,10 +6,10 @@ Why this shape:
   `manifest.json` (size + sha256 of every file): a job killed at any moment leaves either
   no new checkpoint or a complete one, never a half one that resume would load.
 - Tensors go through DCP, so N ranks save and M ranks load (with state dicts of their sharding).
-- Nothing is unpickled on load beyond DCP's own metadata classes (see layout.py). DCP
+- Nothing is unpickled on load beyond DCP's own metadata classes (layout.py). DCP
   would pickle non-tensor values and load them with `weights_only=False`, so the
   non-tensor leaves of the state (optimizer hyper-parameters, counters) are stored as
-  JSON in `objects.json` instead. They must be equal on all ranks (rank 0 writes them);
+  JSON in `objects.json` instead (state.py). They must be equal on all ranks (rank 0 writes them);
   per-rank state (RNG) belongs in `rank_files`, run state in `shared_files`.
 - Async saves run DCP's collectives over a dedicated gloo group: in a background thread
   on the training group they interleave with the step's collectives and deadlock
@@ -58,88 +58,12 @@ from verl_hpc.checkpoint.layout import (
     step_dir_name,
     write_file,
 )
+from verl_hpc.checkpoint.state import restore_objects, split_items, to_json, unwrap_stateful
+
+__all__ = ["CheckpointError", "CheckpointInfo", "CheckpointManager", "latest_checkpoint", "list_checkpoints",
+           "read_manifest", "read_rank_file", "read_shared", "step_dir_name"]
 
 log = logging.getLogger(__name__)
-
-
-# --- state split: tensors -> DCP, the rest -> JSON ------------------------------------------
-
-def _split_items(items: Any, path: tuple[str, ...], objects: list) -> dict[str, Any]:
-    out = {}
-    for key, value in items:
-        if not isinstance(key, str):
-            raise CheckpointError(f"state key {key!r} under {'.'.join(path) or '<root>'} is not a string; "
-                                  "build state dicts with torch.distributed.checkpoint.state_dict")
-        sub = _split_state(value, (*path, key), objects)
-        if sub is not None:
-            out[key] = sub
-    return out
-
-
-def _split_state(node: Any, path: tuple[str, ...], objects: list) -> Any:
-    """The tensor-only copy of `node` (None if it holds no tensor); other leaves go to `objects`.
-
-    Why whole tensor-free subtrees become one JSON value: optimizer `param_groups` are
-    lists of dicts of numbers; stored whole, their list/tuple structure comes back intact.
-    Lists holding tensors become dicts keyed "0", "1"..., the same keys DCP would use.
-    """
-    if isinstance(node, torch.Tensor):
-        return node
-    if isinstance(node, Mapping) and _has_tensor(node):
-        return _split_items(node.items(), path, objects)
-    if isinstance(node, list | tuple) and _has_tensor(node):
-        return _split_items(((str(i), v) for i, v in enumerate(node)), path, objects)
-    objects.append((path, node))
-    return None
-
-
-def _has_tensor(node: Any) -> bool:
-    if isinstance(node, torch.Tensor):
-        return True
-    if isinstance(node, Mapping):
-        return any(_has_tensor(v) for v in node.values())
-    return isinstance(node, list | tuple) and any(_has_tensor(v) for v in node)
-
-
-def _to_json(value: Any, where: str) -> Any:
-    """JSON form of a non-tensor leaf; tuples are tagged so that they come back as tuples."""
-    if value is None or isinstance(value, bool | int | float | str):
-        return value
-    if isinstance(value, tuple):
-        return {"__tuple__": [_to_json(v, where) for v in value]}
-    if isinstance(value, list):
-        return [_to_json(v, where) for v in value]
-    if isinstance(value, Mapping) and all(isinstance(k, str) for k in value):
-        return {k: _to_json(v, f"{where}.{k}") for k, v in value.items()}
-    raise CheckpointError(f"state value {where!r} is a {type(value).__name__}: only tensors and JSON values "
-                          "(numbers, strings, lists, dicts) can be checkpointed; put other state in "
-                          "rank_files/shared_files as JSON")
-
-
-def _from_json(value: Any) -> Any:
-    if isinstance(value, list):
-        return [_from_json(v) for v in value]
-    if isinstance(value, dict):
-        if set(value) == {"__tuple__"}:
-            return tuple(_from_json(v) for v in value["__tuple__"])
-        return {k: _from_json(v) for k, v in value.items()}
-    return value
-
-
-def _restore_objects(state: dict[str, Any], stored: list) -> None:
-    """Put the JSON leaves back into the caller's nested state, in place."""
-    for path, value in stored:
-        node: Any = state
-        for key in path[:-1]:
-            node = node[int(key)] if isinstance(node, list) else node.setdefault(key, {})
-        node[int(path[-1]) if isinstance(node, list) else path[-1]] = _from_json(value)
-
-
-def _plain(tensors: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Top-level Stateful objects (model, optimizer) replaced by their state dicts, as DCP does."""
-    stateful = {k: v for k, v in tensors.items()
-                if hasattr(v, "state_dict") and hasattr(v, "load_state_dict") and not isinstance(v, Mapping)}
-    return {k: (v.state_dict() if k in stateful else v) for k, v in tensors.items()}, stateful
 
 
 class _ReusedStager(BlockingAsyncStager):
@@ -180,13 +104,14 @@ class CheckpointManager:
     `async_group` (created on every rank of the world, like any `new_group`), or leave it
     None when `process_group` spans the whole world and one is created here (with
     `timeout`; torch's default is 30 min). `reuse_staging` keeps one CPU copy of the state
-    between async saves (faster stall, more memory).
+    between async saves (faster stall, more memory). `write_threads` files per rank are
+    written (and hashed) in parallel: 2 halved the sync save on a 2-core machine.
     """
 
     def __init__(self, root: Path, keep_last: int = 2, keep_every: int | None = None, async_save: bool = True,
                  process_group: ProcessGroup | None = None, rank: int = 0,
                  async_group: ProcessGroup | None = None, reuse_staging: bool = True,
-                 timeout: timedelta | None = None) -> None:
+                 timeout: timedelta | None = None, write_threads: int = 2) -> None:
         if keep_last < 1 or (keep_every is not None and keep_every < 1):
             raise ValueError("keep_last must be >= 1 and keep_every None or >= 1")
         self.root, self.keep_last, self.keep_every = Path(root), keep_last, keep_every
@@ -202,6 +127,7 @@ class CheckpointManager:
                              "every rank with dist.new_group(ranks, backend='gloo') (new_group is collective "
                              "over the world) and pass it here")
         self._stager = _ReusedStager() if reuse_staging else None
+        self._write_threads = max(1, write_threads)
         self._pending: Future | None = None
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -228,11 +154,11 @@ class CheckpointManager:
         """
         self.wait()
         use_async = self.async_save and block is not True
-        plain, _ = _plain(tensors)
+        plain, _ = unwrap_stateful(tensors)
         objects: list = []
-        tensor_state = _split_items(plain.items(), (), objects)
+        tensor_state = split_items(plain.items(), (), objects)
         try:
-            objects_json = json.dumps([[list(p), _to_json(v, ".".join(p))] for p, v in objects]).encode()
+            objects_json = json.dumps([[list(p), to_json(v, ".".join(p))] for p, v in objects]).encode()
             json.dumps(meta)
         except (TypeError, ValueError) as err:
             raise CheckpointError(f"checkpoint meta/state must be JSON: {err}") from None
@@ -247,7 +173,8 @@ class CheckpointManager:
             for name, data in (shared_files or {}).items():
                 write_file(partial / name, data)
         info = {"step": step, "meta": meta, "async": use_async, "start": time.time()}
-        writer = dcp.FileSystemWriter(partial, sync_files=True)
+        # No fsync by DCP: file_records fsyncs each file while hashing it (overlapped).
+        writer = dcp.FileSystemWriter(partial, sync_files=False, thread_count=self._write_threads)
         if not use_async:
             dcp.save(tensor_state, storage_writer=writer, process_group=self.process_group)
             return self._finish(partial, info)
@@ -382,12 +309,12 @@ class CheckpointManager:
         manifest = read_manifest(path)
         metadata = read_dcp_metadata(path)
         check_tensors_only(path, metadata)
-        plain, stateful = _plain(tensors)
-        tensor_state = _split_items(plain.items(), (), [])
+        plain, stateful = unwrap_stateful(tensors)
+        tensor_state = split_items(plain.items(), (), [])
         dcp.load(tensor_state, storage_reader=SafeFileSystemReader(path, metadata),
                  process_group=self.process_group)
         if (path / OBJECTS).is_file():
-            _restore_objects(plain, json.loads((path / OBJECTS).read_text()))
+            restore_objects(plain, json.loads((path / OBJECTS).read_text()))
         for key, value in plain.items():
             if key in stateful:
                 stateful[key].load_state_dict(value)

@@ -1,0 +1,1 @@
+"""Benchmarks of verl-hpc pieces; run with `python -m bench NAME [--quick]`."""
