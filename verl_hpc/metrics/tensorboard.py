@@ -16,6 +16,8 @@ class MetricsLogger:
     def __init__(self, log_dir: str | Path, tensorboard: bool = True, purge_step: int | None = None):
         self.log_dir = Path(log_dir)
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        if purge_step is not None:
+            truncate_jsonl(self.log_dir / "metrics.jsonl", purge_step)
         self._writer = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -44,6 +46,17 @@ class MetricsLogger:
         if self._writer is not None:
             self._writer.close()
         self._jsonl.close()
+
+
+def truncate_jsonl(path: Path, purge_step: int) -> None:
+    """Drop lines at or after `purge_step` (a resumed run rewrites those steps), atomically."""
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text().splitlines(keepends=True)
+            if line.strip() and json.loads(line)["step"] < purge_step]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept))
+    tmp.replace(path)
 
 
 def read_jsonl_metrics(path: str | Path) -> list[dict[str, float]]:

@@ -68,6 +68,9 @@ class DistContext:
     control_group: ProcessGroup
     sync_groups: dict[str, ProcessGroup]
     timeout_seconds: float
+    # gloo over the trainer ranks, for async checkpoint writes (never the training group:
+    # DCP's async finish on a group that training also uses deadlocks).
+    checkpoint_group: ProcessGroup | None = None
     _barrier_counts: dict[str, int] = field(default_factory=dict, repr=False)
 
     @property
@@ -215,5 +218,8 @@ def _build_groups(env: JobEnvironment, plan: ProcessPlan, backend: str, timeout:
         pg = dist.new_group(ranks=ranks, timeout=timeout, backend=_backend_for([trainer, spec], backend))
         if env.rank in ranks:
             sync_groups[spec.name] = pg
+    trainer_ranks = plan.group_ranks(trainer.name)
+    ckpt = dist.new_group(ranks=trainer_ranks, timeout=timeout, backend="gloo")
     return DistContext(env=env, plan=plan, group=mine, rank_in_group=rank_in_group, groups=groups,
+                       checkpoint_group=ckpt if env.rank in trainer_ranks else None,
                        control_group=control, sync_groups=sync_groups, timeout_seconds=timeout_seconds)

@@ -74,7 +74,7 @@ class RoleSet:
                 metrics.update(prefixed("critic", self.critic.update(inputs, plan)))
         with timer("update_actor"):
             metrics.update(prefixed("actor", self.actor.update(inputs, plan)))  # type: ignore[union-attr]
-        return _mean_over_group(metrics, ctx.process_group)
+        return _mean_over_group(metrics, ctx.process_group, float(inputs["response_mask"].sum()))
 
     def _ppo_advantages(self, shard: RolloutBatch, inputs: dict[str, torch.Tensor], ctx: DistContext) -> None:
         algo, mask = self.actor.algo, inputs["response_mask"]  # type: ignore[union-attr]
@@ -134,11 +134,13 @@ class RoleSet:
             self.flight_server.shutdown()
 
 
-def _mean_over_group(metrics: dict[str, float], group: dist.ProcessGroup) -> dict[str, float]:
+def _mean_over_group(metrics: dict[str, float], group: dist.ProcessGroup, weight: float) -> dict[str, float]:
+    """Token-weighted mean of per-rank metrics: the number one process would have logged."""
     keys = sorted(metrics)
-    values = torch.tensor([metrics[k] for k in keys], dtype=torch.float64)
+    values = torch.tensor([metrics[k] * weight for k in keys] + [weight], dtype=torch.float64)
     dist.all_reduce(values, group=group)
-    return {k: float(v) / dist.get_world_size(group) for k, v in zip(keys, values, strict=True)}
+    total = float(values[-1]) or 1.0
+    return {k: float(v) / total for k, v in zip(keys, values[:-1], strict=True)}
 
 
 def _load_causal_lm(path: str, dtype: torch.dtype) -> torch.nn.Module:

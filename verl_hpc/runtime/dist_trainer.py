@@ -16,6 +16,7 @@ to be told which prompts come next.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute  # noqa: F401 - registers pa.compute
@@ -30,6 +31,7 @@ from verl_hpc.metrics import MetricsLogger, Progress, memory_metrics
 from verl_hpc.roles.actor import UpdatePlan
 from verl_hpc.roles.forward import to_device
 from verl_hpc.roles.weight_sync import broadcast_weights, gather_only, stream_into
+from verl_hpc.runtime.checkpointing import RunCheckpointer, build_manager, reseed, resume_path
 from verl_hpc.runtime.dist import DistContext
 from verl_hpc.runtime.dist_roles import build_roles
 from verl_hpc.runtime.heartbeat import Heartbeat, StallError, is_timeout
@@ -50,7 +52,7 @@ def shard_range(total: int, parts: int, index: int) -> tuple[int, int]:
 class DistributedTrainer:
     def __init__(self, cfg: RunConfig, ctx: DistContext, run_dir: Path):
         self.cfg, self.ctx, self.run_dir = cfg, ctx, run_dir
-        self.step, self.policy_version = 0, 0
+        self.step, self.policy_version, self.resume_step = 0, 0, 0
         self.is_leader = ctx.env.rank == ctx.plan.group_ranks("trainer")[0]
 
     def train(self) -> None:
@@ -63,17 +65,28 @@ class DistributedTrainer:
         self.rollout_logger = MetricsLogger(self.run_dir / "tensorboard" / f"rollout_rank{ctx.env.rank}",
                                             cfg.logging.tensorboard) \
             if self.split and ctx.is_role("rollout") and ctx.rank_in_group == 0 else None
-        progress = Progress(cfg.trainer.total_steps, 0, cfg.logging.progress) if self.is_leader else None
         self.heartbeat = Heartbeat(ctx.plan, ctx.env.rank, _default_store())
+        self.checkpointer = self.make_checkpointer() if ctx.is_role("actor") else None
         ctx.barrier("start")
+        self.resume_step = self.resume()
+        if logger is not None and self.resume_step:
+            logger.close()
+            logger = MetricsLogger(self.run_dir / "tensorboard", cfg.logging.tensorboard,
+                                   purge_step=self.resume_step + 1)
+        progress = Progress(cfg.trainer.total_steps, self.step, cfg.logging.progress) if self.is_leader else None
         try:
             while self.step < cfg.trainer.total_steps:
                 self.step += 1
+                reseed(cfg.trainer.seed, self.step, ctx.env.rank if not ctx.is_role("rollout") else
+                       1000 + ctx.rank_in_group)
                 metrics = self.guarded_step()
+                self.maybe_save(metrics)
                 if logger is not None and progress is not None:
                     logger.log_scalars(self.step, metrics)
                     progress.update(self.step, {"score": metrics["critic/score/mean"],
                                                 "s/step": metrics["timing_s/step"]})
+            if self.checkpointer is not None:
+                self.checkpointer.manager.wait()
             ctx.barrier("end")
             if cfg.trainer.save_hf_model and ctx.is_role("actor"):
                 self.save_hf_model()
@@ -84,6 +97,65 @@ class DistributedTrainer:
                 if sink is not None:
                     sink.close()
             self.roles.close()
+
+    def make_checkpointer(self) -> RunCheckpointer:
+        ctx = self.ctx
+        manager = build_manager(self.cfg, self.run_dir, process_group=ctx.process_group,
+                                async_group=ctx.checkpoint_group)
+        sizes = {g.name: g.size for g in ctx.plan.groups}
+        return RunCheckpointer(self.cfg, self.run_dir, manager, sizes, self.is_leader, ctx.process_group)
+
+    def resume(self) -> int:
+        """Trainer ranks load the checkpoint; every rank learns the step, version and data order.
+
+        Then the engines get the restored weights once (split: a broadcast that the rollout
+        expects before its first step; colocated: streamed), after which the normal schedule
+        continues — so a resumed on-policy run samples exactly what the original did.
+        """
+        ctx, cfg = self.ctx, self.cfg
+        info: list[Any] = [None]
+        if self.is_leader:
+            path = resume_path(cfg, self.run_dir)
+            info = [str(path) if path else None]
+        dist.broadcast_object_list(info, src=ctx.plan.group_ranks("trainer")[0], group=ctx.control_group)
+        if info[0] is None:
+            return 0
+        run: list[Any] = [None]
+        if self.checkpointer is not None:
+            run = [self.checkpointer.restore(Path(info[0]), self.sampler, self.roles.actor, self.roles.critic)]
+        dist.broadcast_object_list(run, src=ctx.plan.group_ranks("trainer")[0], group=ctx.control_group)
+        state = run[0]
+        self.step, self.policy_version = state["step"], state["policy_version"]
+        if self.checkpointer is None:
+            self.sampler.load_state_dict(state["sampler"])
+        if self.roles.engine is not None and not self.split:
+            stream_into(self.roles.actor.model, self.roles.engine.model)
+        elif self.split and (ctx.is_role("actor") or ctx.is_role("rollout")):
+            self.sync_split(sending=ctx.is_role("actor"))
+        if self.roles.engine is not None:
+            self.roles.engine.policy_version = self.policy_version
+        return self.step
+
+    def sync_split(self, sending: bool) -> None:
+        group = self.ctx.sync_groups.get("rollout")
+        leader = self.ctx.plan.group_ranks("trainer")[0]
+        if sending and group is None:
+            gather_only(self.roles.actor.model)
+        elif sending:
+            broadcast_weights(self.roles.actor.model, group, leader, self.policy_version, True)
+        else:
+            self.roles.engine.policy_version = broadcast_weights(self.roles.engine.model, group, leader, -1,
+                                                                 False)[0]
+
+    def maybe_save(self, metrics: dict[str, float]) -> None:
+        ckpt = self.checkpointer
+        if ckpt is None or not ckpt.due(self.step):
+            return
+        final = self.step == self.cfg.trainer.total_steps or ckpt.requested
+        ckpt.save(self.step, self.policy_version, self.sampler, self.roles.actor, self.roles.critic,
+                  block=True if final else None)
+        if self.is_leader:
+            metrics["timing_s/save_checkpoint"] = ckpt.save_seconds
 
     @property
     def has_reward_group(self) -> bool:
@@ -143,7 +215,7 @@ class DistributedTrainer:
         generation of batch s+1 overlaps the trainer's update on batch s.
         """
         lag = self.cfg.algorithm.max_staleness
-        if self.step > lag + 1:
+        if self.step > self.resume_step + lag + 1:
             with timer("update_weights"):
                 self.receive_weights()
         with timer("gen"):

@@ -25,6 +25,7 @@ from verl_hpc.data.rollout_batch import RolloutBatch
 from verl_hpc.metrics import MetricsLogger, Progress, memory_metrics
 from verl_hpc.roles.actor import UpdatePlan
 from verl_hpc.roles.forward import batched_logprobs, to_device
+from verl_hpc.runtime.checkpointing import RunCheckpointer, build_manager, reseed, resume_path
 from verl_hpc.runtime.components import Components, build_components
 from verl_hpc.runtime.run_dir import prepare_run_dir
 from verl_hpc.runtime.step_metrics import data_metrics, perf_metrics, prefixed
@@ -89,6 +90,8 @@ class HybridTrainer:
         self.components = comps
         prompts_per_step = cfg.trainer.batch_size // cfg.algorithm.sampling.n
         self.sampler = PromptSampler(len(comps.dataset), prompts_per_step, cfg.trainer.seed, cfg.data.shuffle)
+        self.checkpointer = RunCheckpointer(cfg, self.run_dir, build_manager(cfg, self.run_dir), {"trainer": 1}, True)
+        self.resume(comps)
         logger = MetricsLogger(self.run_dir / "tensorboard", cfg.logging.tensorboard, purge_step=self.step + 1)
         progress = Progress(cfg.trainer.total_steps, self.step, cfg.logging.progress)
         log.info("training %s for %d steps in %s", cfg.algorithm.name, cfg.trainer.total_steps, self.run_dir)
@@ -96,17 +99,32 @@ class HybridTrainer:
         try:
             while self.step < cfg.trainer.total_steps:
                 self.step += 1
+                reseed(cfg.trainer.seed, self.step)
                 metrics = self.train_step(comps, logger)
+                if self.checkpointer.due(self.step):
+                    final = self.step == cfg.trainer.total_steps or self.checkpointer.requested
+                    self.checkpointer.save(self.step, self.policy_version, self.sampler, comps.actor,
+                                           comps.critic, block=True if final else None)
+                    metrics["timing_s/save_checkpoint"] = self.checkpointer.save_seconds
                 if self.step % cfg.logging.log_every == 0 or self.step == cfg.trainer.total_steps:
                     logger.log_scalars(self.step, metrics)
                 progress.update(self.step, {"score": metrics["critic/score/mean"],
                                             "s/step": metrics["timing_s/step"]})
         finally:
+            self.checkpointer.manager.wait()
             progress.close()
             logger.close()
         hf_dir = self.save_hf_model(comps) if cfg.trainer.save_hf_model else None
         log.info("done: %d steps, final score %.4f", self.step, metrics.get("critic/score/mean", float("nan")))
         return TrainResult(self.run_dir, self.step, hf_dir, metrics)
+
+    def resume(self, comps: Components) -> None:
+        path = resume_path(self.config, self.run_dir)
+        if path is None:
+            return
+        run = self.checkpointer.restore(path, self.sampler, comps.actor, comps.critic)
+        self.step, self.policy_version = run["step"], run["policy_version"]
+        comps.rollout.policy_version = self.policy_version
 
     def train_step(self, comps: Components, logger: MetricsLogger) -> dict[str, float]:
         cfg, timer = self.config, Timer()

@@ -1,0 +1,76 @@
+"""Stop anywhere, resume exactly: SIGKILL after a checkpoint, resume on other world sizes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, run_cli
+from tests.test_train_e2e import scalars
+from verl_hpc.metrics import read_jsonl_metrics
+
+pytestmark = pytest.mark.slow
+VOLATILE = ("timing_s/", "perf/", "memory/")  # wall-clock and memory readings, not training state
+
+
+def _steps(run_dir: Path, tag: str = "critic/score/mean") -> list[int]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
+    acc.Reload()
+    return [e.step for e in acc.Scalars(tag)]
+
+
+def _train(run_dir: Path, model: Path, *extra: str) -> subprocess.CompletedProcess:
+    proc = run_cli("train", "configs/quickstart_split.yaml", "--run-dir", str(run_dir), f"model.path={model}",
+                   "checkpoint.interval_steps=4", "logging.progress=off", *extra)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def test_sigkill_after_a_checkpoint_then_resume_is_exact(tmp_path: Path, tiny_model_dir: Path) -> None:
+    steps = ["trainer.total_steps=14"]
+    _train(tmp_path / "whole", tiny_model_dir, *steps)
+    interrupted = tmp_path / "interrupted"
+    cli = subprocess.Popen([sys.executable, "-m", "verl_hpc", "train", "configs/quickstart_split.yaml",
+                            "--run-dir", str(interrupted), f"model.path={tiny_model_dir}", *steps,
+                            "checkpoint.interval_steps=4", "logging.progress=off", "trainer.total_steps=400"],
+                           cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    marker = interrupted / "checkpoints" / "step_00000008" / "manifest.json"
+    deadline = time.monotonic() + 180
+    while not marker.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    os.kill(cli.pid, signal.SIGKILL)  # the launcher dies at once; its workers follow (parent-death signal)
+    cli.wait()
+    assert marker.exists()
+    _train(interrupted, tiny_model_dir, *steps)  # same command: resumes from the newest committed checkpoint
+    whole, resumed = scalars(tmp_path / "whole"), scalars(interrupted)
+    assert _steps(interrupted) == list(range(1, 15))  # no step missing or shown twice
+    compared = [tag for tag in whole if not tag.startswith(VOLATILE)]
+    assert len(compared) > 15
+    for tag in compared:
+        assert resumed[tag] == whole[tag], tag  # bitwise: same numbers, step by step
+
+
+@pytest.mark.parametrize("actor_ids", ["[0]", "[0,1,2,3]"])
+def test_resume_on_another_number_of_actor_processes(tmp_path: Path, tiny_model_dir: Path, actor_ids: str) -> None:
+    whole = tmp_path / "whole"
+    _train(whole, tiny_model_dir, "trainer.total_steps=5")
+    resharded = tmp_path / "resharded"
+    _train(resharded, tiny_model_dir, "trainer.total_steps=4")
+    proc = _train(resharded, tiny_model_dir, "trainer.total_steps=5", f"resources.actor.device_ids={actor_ids}",
+                  "resources.rollout.device_ids=[4]", "resources.reward.device_ids=[5]")
+    assert proc.returncode == 0
+    expected = read_jsonl_metrics(whole / "tensorboard" / "metrics.jsonl")[4]
+    got = read_jsonl_metrics(resharded / "tensorboard" / "metrics.jsonl")[4]
+    assert got["step"] == expected["step"] == 5
+    assert got["critic/score/mean"] == expected["critic/score/mean"]  # the same rollouts were drawn
+    for key in ("actor/pg_loss", "actor/entropy", "actor/kl_loss"):
+        assert got[key] == pytest.approx(expected[key], abs=1e-5), key  # the restored weights were the same
