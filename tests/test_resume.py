@@ -74,3 +74,31 @@ def test_resume_on_another_number_of_actor_processes(tmp_path: Path, tiny_model_
     assert got["critic/score/mean"] == expected["critic/score/mean"]  # the same rollouts were drawn
     for key in ("actor/pg_loss", "actor/entropy", "actor/kl_loss"):
         assert got[key] == pytest.approx(expected[key], abs=1e-5), key  # the restored weights were the same
+
+
+def test_sigterm_stops_at_a_step_boundary_and_resumes_exactly(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """Ctrl-C / SIGTERM: every rank stops cleanly after a synchronous checkpoint of the step."""
+    steps = "trainer.total_steps=40"
+    _train(tmp_path / "whole", tiny_model_dir, steps)
+    stopped = tmp_path / "stopped"
+    cli = subprocess.Popen([sys.executable, "-m", "verl_hpc", "train", "configs/quickstart_split.yaml",
+                            "--run-dir", str(stopped), f"model.path={tiny_model_dir}", steps,
+                            "checkpoint.interval_steps=4", "logging.progress=off"], cwd=REPO, text=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    metrics = stopped / "tensorboard" / "metrics.jsonl"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 6):
+        time.sleep(0.2)
+    cli.send_signal(signal.SIGTERM)
+    out, err = cli.communicate(timeout=60)
+    assert cli.returncode == 143, err[-2000:]
+    last = read_jsonl_metrics(metrics)[-1]["step"]
+    assert f"stopped by SIGTERM after step {last}" in out
+    assert (stopped / "checkpoints" / f"step_{last:08d}" / "manifest.json").is_file()  # no step lost
+    assert "FAILED" not in err
+    _train(stopped, tiny_model_dir, steps)
+    whole, resumed = scalars(tmp_path / "whole"), scalars(stopped)
+    assert _steps(stopped) == list(range(1, 41))
+    for tag in (t for t in whole if not t.startswith(VOLATILE)):
+        assert resumed[tag] == whole[tag], tag

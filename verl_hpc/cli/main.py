@@ -8,6 +8,7 @@ an unexpected failure still shows its traceback, because that is a bug to report
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -58,6 +59,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
         return 1
     score = result.last_metrics.get("critic/score/mean")
     print(f"run directory: {result.run_dir}")
+    if result.stopped_by is not None:
+        print(f"stopped by {result.stopped_by} after step {result.steps}; the checkpoint is saved: "
+              "run the same command to resume")
+        return 128 + getattr(signal.Signals, result.stopped_by, signal.SIGTERM).value
     print(f"steps: {result.steps}   final critic/score/mean: {score:.4f}" if score is not None else "")
     print(f"tensorboard:   tensorboard --logdir {result.run_dir / 'tensorboard'}")
     if result.hf_model_dir is not None:

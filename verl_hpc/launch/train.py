@@ -7,6 +7,7 @@ several processes, and a bad config must fail before anything is spawned.
 
 from __future__ import annotations
 
+import signal
 import sys
 from pathlib import Path
 
@@ -40,9 +41,10 @@ def launch_local(cfg: RunConfig, run_dir: str | Path | None) -> TrainResult:
     plan = plan_for_config(cfg)
     launcher = LocalLauncher(plan, path, [sys.executable, "-m", "verl_hpc.runtime.worker"],
                              grace_seconds=min(10.0, cfg.resources.timeout_seconds))
-    launcher.run()
+    code = launcher.run()  # 128+signal when Ctrl-C/SIGTERM stopped it (workers saved first)
     metrics_file = path / "tensorboard" / "metrics.jsonl"
     rows = read_jsonl_metrics(metrics_file) if metrics_file.exists() else []
     hf_dir = path / "hf_model"
-    return TrainResult(path, rows[-1]["step"] if rows else 0, hf_dir if hf_dir.exists() else None,
-                       rows[-1] if rows else {})
+    stopped_by = signal.Signals(code - 128).name if code > 128 else None
+    return TrainResult(path, rows[-1]["step"] if rows else 0, hf_dir if hf_dir.exists() and not stopped_by else None,
+                       rows[-1] if rows else {}, stopped_by)

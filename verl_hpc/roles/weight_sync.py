@@ -20,6 +20,7 @@ from torch import nn
 from verl_hpc.roles.fsdp import full_tensor
 
 DEFAULT_BUCKET_BYTES = 64 * 2**20
+STOP_VERSION = -2  # a header with this version tells the receivers to stop: no weights follow
 
 
 class WeightSyncError(RuntimeError):
@@ -75,6 +76,8 @@ def broadcast_weights(model: nn.Module, group: dist.ProcessGroup, src: int, vers
     header = torch.tensor([version, len(params), sum(p.numel() for _, p in params)], dtype=torch.int64)
     if group is not None:
         dist.broadcast(header, src=src, group=group)
+    if int(header[0]) == STOP_VERSION:
+        return STOP_VERSION, 0
     if int(header[1]) != len(params) or int(header[2]) != sum(p.numel() for _, p in params):
         raise WeightSyncError(f"actor and rollout models differ: sender has {int(header[1])} tensors / "
                               f"{int(header[2])} elements, receiver {len(params)} / "

@@ -33,6 +33,7 @@ from verl_hpc.runtime.dist import DistContext
 from verl_hpc.runtime.step_metrics import prefixed
 
 FLIGHT_ADDRESS_KEY = "flight_location"
+STOP_PAYLOAD = "stop"  # sent instead of a batch: the reward ranks leave their loop
 
 
 @dataclass
@@ -97,6 +98,8 @@ class RoleSet:
         leader = ctx.plan.group_ranks("trainer")[0]
         payload: list[Any] = [batch.to_ipc() if is_leader and batch is not None else None]
         dist.broadcast_object_list(payload, src=leader, group=group)
+        if payload[0] == STOP_PAYLOAD:
+            return STOP_PAYLOAD  # type: ignore[return-value]
         scores: list[float] | None = None
         if self.scorer is not None:
             from verl_hpc.runtime.dist_trainer import shard_range

@@ -15,6 +15,7 @@ to be told which prompts come next.
 
 from __future__ import annotations
 
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -30,11 +31,12 @@ from verl_hpc.data.rollout_batch import RolloutBatch
 from verl_hpc.metrics import MetricsLogger, Progress, memory_metrics
 from verl_hpc.roles.actor import UpdatePlan
 from verl_hpc.roles.forward import to_device
-from verl_hpc.roles.weight_sync import broadcast_weights, gather_only, stream_into
+from verl_hpc.roles.weight_sync import STOP_VERSION, broadcast_weights, gather_only, stream_into
 from verl_hpc.runtime.checkpointing import RunCheckpointer, build_manager, reseed, resume_path
 from verl_hpc.runtime.dist import DistContext
-from verl_hpc.runtime.dist_roles import build_roles
+from verl_hpc.runtime.dist_roles import STOP_PAYLOAD, build_roles
 from verl_hpc.runtime.heartbeat import Heartbeat, StallError, is_timeout
+from verl_hpc.runtime.signals import StopFlag, requeue
 from verl_hpc.runtime.step_metrics import data_metrics, perf_metrics
 from verl_hpc.runtime.trainer import Timer, seed_everything
 from verl_hpc.utils.logging import get_logger
@@ -53,50 +55,84 @@ class DistributedTrainer:
     def __init__(self, cfg: RunConfig, ctx: DistContext, run_dir: Path):
         self.cfg, self.ctx, self.run_dir = cfg, ctx, run_dir
         self.step, self.policy_version, self.resume_step = 0, 0, 0
+        self.stopping = False
         self.is_leader = ctx.env.rank == ctx.plan.group_ranks("trainer")[0]
 
-    def train(self) -> None:
+    def train(self) -> str | None:
+        """Run to the end, or until a stop signal; returns the signal's name if stopped."""
         cfg, ctx = self.cfg, self.ctx
         seed_everything(cfg.trainer.seed + ctx.env.rank)
         self.roles = build_roles(cfg, ctx, self.run_dir)
         prompts_per_step = cfg.trainer.batch_size // cfg.algorithm.sampling.n
         self.sampler = PromptSampler(len(self.roles.dataset), prompts_per_step, cfg.trainer.seed, cfg.data.shuffle)
-        logger = MetricsLogger(self.run_dir / "tensorboard", cfg.logging.tensorboard) if self.is_leader else None
         self.rollout_logger = MetricsLogger(self.run_dir / "tensorboard" / f"rollout_rank{ctx.env.rank}",
                                             cfg.logging.tensorboard) \
             if self.split and ctx.is_role("rollout") and ctx.rank_in_group == 0 else None
         self.heartbeat = Heartbeat(ctx.plan, ctx.env.rank, _default_store())
         self.checkpointer = self.make_checkpointer() if ctx.is_role("actor") else None
+        self.stop = StopFlag().install()
         ctx.barrier("start")
         self.resume_step = self.resume()
-        if logger is not None and self.resume_step:
-            logger.close()
-            logger = MetricsLogger(self.run_dir / "tensorboard", cfg.logging.tensorboard,
-                                   purge_step=self.resume_step + 1)
+        logger = MetricsLogger(self.run_dir / "tensorboard", cfg.logging.tensorboard,
+                               purge_step=self.resume_step + 1) if self.is_leader else None
         progress = Progress(cfg.trainer.total_steps, self.step, cfg.logging.progress) if self.is_leader else None
         try:
-            while self.step < cfg.trainer.total_steps:
-                self.step += 1
-                reseed(cfg.trainer.seed, self.step, ctx.env.rank if not ctx.is_role("rollout") else
-                       1000 + ctx.rank_in_group)
-                metrics = self.guarded_step()
-                self.maybe_save(metrics)
-                if logger is not None and progress is not None:
-                    logger.log_scalars(self.step, metrics)
-                    progress.update(self.step, {"score": metrics["critic/score/mean"],
-                                                "s/step": metrics["timing_s/step"]})
+            stopped_by = self.loop(logger, progress)
             if self.checkpointer is not None:
                 self.checkpointer.manager.wait()
-            ctx.barrier("end")
-            if cfg.trainer.save_hf_model and ctx.is_role("actor"):
-                self.save_hf_model()
+            if stopped_by is None:
+                ctx.barrier("end")
+                if cfg.trainer.save_hf_model and ctx.is_role("actor"):
+                    self.save_hf_model()
+            return stopped_by
         finally:
-            if progress is not None:
-                progress.close()
-            for sink in (logger, self.rollout_logger):
+            self.stop.restore()
+            for sink in (progress, logger, self.rollout_logger):
                 if sink is not None:
                     sink.close()
             self.roles.close()
+
+    def loop(self, logger: MetricsLogger | None, progress: Progress | None) -> str | None:
+        cfg, ctx = self.cfg, self.ctx
+        while self.step < cfg.trainer.total_steps:
+            self.step += 1
+            reseed(cfg.trainer.seed, self.step, ctx.env.rank if not ctx.is_role("rollout") else
+                   1000 + ctx.rank_in_group)
+            metrics = self.guarded_step()
+            if self.stopping:  # a rollout or reward rank was told to stop by the trainer
+                return "stop requested by the trainer"
+            signum = self.stop.agreed(ctx.process_group) if ctx.is_role("actor") else None
+            if self.checkpointer is not None and signum:
+                self.checkpointer.requested = True
+            self.maybe_save(metrics)
+            if logger is not None and progress is not None:
+                logger.log_scalars(self.step, metrics)
+                progress.update(self.step, {"score": metrics["critic/score/mean"],
+                                            "s/step": metrics["timing_s/step"]})
+            if signum:
+                self.stop_others()
+                if self.is_leader:
+                    log.warning("stopped by %s after step %d (checkpoint saved); %s", StopFlag.name(signum),
+                                self.step, requeue(ctx.env, cfg.slurm.max_requeues))
+                return StopFlag.name(signum)
+        return None
+
+    def stop_others(self) -> None:
+        """Best effort: tell the reward and rollout ranks to stop, never waiting long on them."""
+        ctx, roles = self.ctx, self.roles
+        if not self.is_leader:
+            return
+        if "reward" in ctx.sync_groups:
+            dist.broadcast_object_list([STOP_PAYLOAD], src=ctx.env.rank, group=ctx.sync_groups["reward"])
+        if "rollout" in ctx.sync_groups:
+            if self.cfg.algorithm.max_staleness > 0 and roles.flight_server is not None:
+                roles.flight_server.shutdown()  # unblocks a rollout waiting on a full buffer
+            header = torch.tensor([STOP_VERSION, 0, 0], dtype=torch.int64)
+            work = dist.broadcast(header, src=ctx.env.rank, group=ctx.sync_groups["rollout"], async_op=True)
+            try:
+                work.wait(timeout=timedelta(seconds=5))
+            except RuntimeError as err:
+                log.warning("rollout ranks did not take the stop message: %s", err)
 
     def make_checkpointer(self) -> RunCheckpointer:
         ctx = self.ctx
@@ -196,6 +232,9 @@ class DistributedTrainer:
             if self.has_reward_group or roles.scorer is not None:
                 with timer("reward"):
                     full = roles.score_batch(full, ctx, self.is_leader)
+                if full is STOP_PAYLOAD:
+                    self.stopping = True
+                    return {}
             if not ctx.is_role("actor"):
                 return {}
             metrics = self.train_on(full, timer)
@@ -218,10 +257,18 @@ class DistributedTrainer:
         if self.step > self.resume_step + lag + 1:
             with timer("update_weights"):
                 self.receive_weights()
+            if self.stopping:
+                return {}
         with timer("gen"):
             batch = self.generate(indices)
         with timer("send"):
-            self.roles.flight_client.put(batch)
+            try:
+                self.roles.flight_client.put(batch)
+            except Exception:  # the trainer shut its server down: a stop, unless no stop was asked
+                if self.stop.received is None:
+                    raise
+                self.stopping = True
+                return {}
         if self.rollout_logger is not None:
             self.rollout_logger.log_scalars(self.step, {**timer.seconds, "rollout/policy_version":
                                                         float(self.roles.engine.policy_version)})
@@ -341,6 +388,9 @@ class DistributedTrainer:
     def receive_weights(self) -> None:
         leader = self.ctx.plan.group_ranks("trainer")[0]
         version, _ = broadcast_weights(self.roles.engine.model, self.ctx.sync_groups["rollout"], leader, -1, False)
+        if version == STOP_VERSION:
+            self.stopping = True
+            return
         self.roles.engine.policy_version = version
 
     def save_hf_model(self) -> None:

@@ -27,7 +27,9 @@ from verl_hpc.roles.actor import UpdatePlan
 from verl_hpc.roles.forward import batched_logprobs, to_device
 from verl_hpc.runtime.checkpointing import RunCheckpointer, build_manager, reseed, resume_path
 from verl_hpc.runtime.components import Components, build_components
+from verl_hpc.runtime.env import JobEnvironment
 from verl_hpc.runtime.run_dir import prepare_run_dir
+from verl_hpc.runtime.signals import StopFlag, requeue
 from verl_hpc.runtime.step_metrics import data_metrics, perf_metrics, prefixed
 from verl_hpc.utils.logging import get_logger, setup_logging
 
@@ -40,6 +42,7 @@ class TrainResult:
     steps: int
     hf_model_dir: Path | None
     last_metrics: dict[str, float] = field(default_factory=dict)
+    stopped_by: str | None = None  # the signal that stopped the run early, if any
 
 
 class Timer:
@@ -96,11 +99,13 @@ class HybridTrainer:
         progress = Progress(cfg.trainer.total_steps, self.step, cfg.logging.progress)
         log.info("training %s for %d steps in %s", cfg.algorithm.name, cfg.trainer.total_steps, self.run_dir)
         metrics: dict[str, float] = {}
+        stop = StopFlag().install()
         try:
             while self.step < cfg.trainer.total_steps:
                 self.step += 1
                 reseed(cfg.trainer.seed, self.step)
                 metrics = self.train_step(comps, logger)
+                self.checkpointer.requested = self.checkpointer.requested or stop.agreed() is not None
                 if self.checkpointer.due(self.step):
                     final = self.step == cfg.trainer.total_steps or self.checkpointer.requested
                     self.checkpointer.save(self.step, self.policy_version, self.sampler, comps.actor,
@@ -110,10 +115,17 @@ class HybridTrainer:
                     logger.log_scalars(self.step, metrics)
                 progress.update(self.step, {"score": metrics["critic/score/mean"],
                                             "s/step": metrics["timing_s/step"]})
+                if stop.received is not None:
+                    break
         finally:
+            stop.restore()
             self.checkpointer.manager.wait()
             progress.close()
             logger.close()
+        if stop.received is not None:
+            log.warning("stopped by %s after step %d (checkpoint saved); %s", StopFlag.name(stop.received),
+                        self.step, requeue(JobEnvironment.from_env(), cfg.slurm.max_requeues))
+            return TrainResult(self.run_dir, self.step, None, metrics, StopFlag.name(stop.received))
         hf_dir = self.save_hf_model(comps) if cfg.trainer.save_hf_model else None
         log.info("done: %d steps, final score %.4f", self.step, metrics.get("critic/score/mean", float("nan")))
         return TrainResult(self.run_dir, self.step, hf_dir, metrics)

@@ -33,7 +33,9 @@ def main() -> int:
     env.write_debug_file(run_dir / "logs" / f"env_{group.name}_rank{env.rank}.json")
     ctx = init_distributed(env, plan, cfg.resources.resolved_backend(), cfg.resources.timeout_seconds)
     try:
-        DistributedTrainer(cfg, ctx, run_dir).train()
+        stopped_by = DistributedTrainer(cfg, ctx, run_dir).train()
+        if stopped_by is not None:
+            get_logger("worker").info("stopped: %s", stopped_by)
     except Exception as err:  # the launcher shows a log's last lines: make the cause the last one
         traceback.print_exc()
         get_logger("worker").error("failed: %s", err, exc_info=True)

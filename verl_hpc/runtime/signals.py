@@ -1,0 +1,79 @@
+"""Stop requests: signals set a flag; the trainer acts on it at the next step boundary.
+
+Why only a flag: checkpointing inside a signal handler corrupts state (a collective or a
+file write interrupted half-way — Lightning#21406). The handler records which signal
+arrived; at the end of the step the trainer ranks agree (a MAX all-reduce, so one rank's
+signal stops all), save synchronously, tell the other roles to stop, and — under Slurm —
+requeue the job.
+
+Which signal means what: SIGUSR1 — the time limit is near (`--signal=B:USR1@grace`,
+forwarded to the step by the batch script); SIGTERM — preemption, `scontrol requeue`,
+or the local launcher passing on Ctrl-C; SIGUSR2 — submitit's convention; SIGINT — Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import subprocess
+from types import FrameType
+
+import torch
+import torch.distributed as dist
+
+from verl_hpc.runtime.env import JobEnvironment
+from verl_hpc.utils.logging import get_logger
+
+log = get_logger("signals")
+STOP_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)
+
+
+class StopFlag:
+    """Installs handlers that only record the signal; `restore()` puts the old ones back."""
+
+    def __init__(self, signals: tuple[signal.Signals, ...] = STOP_SIGNALS):
+        self.signals = signals
+        self.received: int | None = None
+        self._previous: dict[int, object] = {}
+
+    def _handle(self, signum: int, _frame: FrameType | None) -> None:
+        if self.received is None:
+            self.received = signum
+
+    def install(self) -> StopFlag:
+        for sig in self.signals:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)  # type: ignore[arg-type]
+        self._previous.clear()
+
+    def agreed(self, group: dist.ProcessGroup | None = None) -> int | None:
+        """The signal any rank of `group` received (all ranks get the same answer)."""
+        value = torch.tensor([self.received or 0])
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+        return int(value.item()) or None
+
+    @staticmethod
+    def name(signum: int | None) -> str:
+        return signal.Signals(signum).name if signum else "none"
+
+
+def requeue(env: JobEnvironment, max_requeues: int) -> str:
+    """Ask Slurm to requeue this job (leader only); returns what happened, in one line."""
+    if env.scheduler != "slurm" or not env.job_id:
+        return "not under Slurm: not requeuing; run the same command again to resume"
+    if env.restart_count >= max_requeues:
+        return (f"slurm.max_requeues={max_requeues} reached (restart {env.restart_count}): not requeuing; "
+                "the checkpoints are kept, resubmit with the same run dir to continue")
+    scontrol = shutil.which("scontrol")
+    if scontrol is None:
+        return ("scontrol is not on PATH (common inside containers): cannot requeue job "
+                f"{env.job_id}; the checkpoint is complete, resubmit with the same run dir (docs/slurm.md)")
+    proc = subprocess.run([scontrol, "requeue", env.job_id], capture_output=True, text=True, timeout=60)
+    if proc.returncode != 0:
+        return f"scontrol requeue {env.job_id} failed: {proc.stderr.strip() or proc.stdout.strip()}"
+    return f"requeued job {env.job_id} (restart {env.restart_count + 1} of at most {max_requeues})"
