@@ -15,9 +15,7 @@ to be told which prompts come next.
 
 from __future__ import annotations
 
-from datetime import timedelta
 from pathlib import Path
-from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute  # noqa: F401 - registers pa.compute
@@ -32,8 +30,9 @@ from verl_hpc.metrics import MetricsLogger, Progress, memory_metrics
 from verl_hpc.roles.actor import UpdatePlan
 from verl_hpc.roles.forward import to_device
 from verl_hpc.roles.weight_sync import STOP_VERSION, broadcast_weights, gather_only, stream_into
-from verl_hpc.runtime.checkpointing import RunCheckpointer, build_manager, reseed, resume_path
+from verl_hpc.runtime.checkpointing import reseed
 from verl_hpc.runtime.dist import DistContext
+from verl_hpc.runtime.dist_lifecycle import DistLifecycle
 from verl_hpc.runtime.dist_roles import STOP_PAYLOAD, build_roles
 from verl_hpc.runtime.heartbeat import Heartbeat, StallError, is_timeout
 from verl_hpc.runtime.signals import StopFlag, requeue
@@ -51,7 +50,7 @@ def shard_range(total: int, parts: int, index: int) -> tuple[int, int]:
     return start, start + base + (1 if index < extra else 0)
 
 
-class DistributedTrainer:
+class DistributedTrainer(DistLifecycle):
     def __init__(self, cfg: RunConfig, ctx: DistContext, run_dir: Path):
         self.cfg, self.ctx, self.run_dir = cfg, ctx, run_dir
         self.step, self.policy_version, self.resume_step = 0, 0, 0
@@ -116,82 +115,6 @@ class DistributedTrainer:
                                 self.step, requeue(ctx.env, cfg.slurm.max_requeues))
                 return StopFlag.name(signum)
         return None
-
-    def stop_others(self) -> None:
-        """Best effort: tell the reward and rollout ranks to stop, never waiting long on them."""
-        ctx, roles = self.ctx, self.roles
-        if not self.is_leader:
-            return
-        if "reward" in ctx.sync_groups:
-            dist.broadcast_object_list([STOP_PAYLOAD], src=ctx.env.rank, group=ctx.sync_groups["reward"])
-        if "rollout" in ctx.sync_groups:
-            if self.cfg.algorithm.max_staleness > 0 and roles.flight_server is not None:
-                roles.flight_server.shutdown()  # unblocks a rollout waiting on a full buffer
-            header = torch.tensor([STOP_VERSION, 0, 0], dtype=torch.int64)
-            work = dist.broadcast(header, src=ctx.env.rank, group=ctx.sync_groups["rollout"], async_op=True)
-            try:
-                work.wait(timeout=timedelta(seconds=5))
-            except RuntimeError as err:
-                log.warning("rollout ranks did not take the stop message: %s", err)
-
-    def make_checkpointer(self) -> RunCheckpointer:
-        ctx = self.ctx
-        manager = build_manager(self.cfg, self.run_dir, process_group=ctx.process_group,
-                                async_group=ctx.checkpoint_group)
-        sizes = {g.name: g.size for g in ctx.plan.groups}
-        return RunCheckpointer(self.cfg, self.run_dir, manager, sizes, self.is_leader, ctx.process_group)
-
-    def resume(self) -> int:
-        """Trainer ranks load the checkpoint; every rank learns the step, version and data order.
-
-        Then the engines get the restored weights once (split: a broadcast that the rollout
-        expects before its first step; colocated: streamed), after which the normal schedule
-        continues — so a resumed on-policy run samples exactly what the original did.
-        """
-        ctx, cfg = self.ctx, self.cfg
-        info: list[Any] = [None]
-        if self.is_leader:
-            path = resume_path(cfg, self.run_dir)
-            info = [str(path) if path else None]
-        dist.broadcast_object_list(info, src=ctx.plan.group_ranks("trainer")[0], group=ctx.control_group)
-        if info[0] is None:
-            return 0
-        run: list[Any] = [None]
-        if self.checkpointer is not None:
-            run = [self.checkpointer.restore(Path(info[0]), self.sampler, self.roles.actor, self.roles.critic)]
-        dist.broadcast_object_list(run, src=ctx.plan.group_ranks("trainer")[0], group=ctx.control_group)
-        state = run[0]
-        self.step, self.policy_version = state["step"], state["policy_version"]
-        if self.checkpointer is None:
-            self.sampler.load_state_dict(state["sampler"])
-        if self.roles.engine is not None and not self.split:
-            stream_into(self.roles.actor.model, self.roles.engine.model)
-        elif self.split and (ctx.is_role("actor") or ctx.is_role("rollout")):
-            self.sync_split(sending=ctx.is_role("actor"))
-        if self.roles.engine is not None:
-            self.roles.engine.policy_version = self.policy_version
-        return self.step
-
-    def sync_split(self, sending: bool) -> None:
-        group = self.ctx.sync_groups.get("rollout")
-        leader = self.ctx.plan.group_ranks("trainer")[0]
-        if sending and group is None:
-            gather_only(self.roles.actor.model)
-        elif sending:
-            broadcast_weights(self.roles.actor.model, group, leader, self.policy_version, True)
-        else:
-            self.roles.engine.policy_version = broadcast_weights(self.roles.engine.model, group, leader, -1,
-                                                                 False)[0]
-
-    def maybe_save(self, metrics: dict[str, float]) -> None:
-        ckpt = self.checkpointer
-        if ckpt is None or not ckpt.due(self.step):
-            return
-        final = self.step == self.cfg.trainer.total_steps or ckpt.requested
-        ckpt.save(self.step, self.policy_version, self.sampler, self.roles.actor, self.roles.critic,
-                  block=True if final else None)
-        if self.is_leader:
-            metrics["timing_s/save_checkpoint"] = ckpt.save_seconds
 
     @property
     def has_reward_group(self) -> bool:
