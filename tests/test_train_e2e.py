@@ -94,3 +94,17 @@ def test_quickstart_ppo_critic_learns(tmp_path: Path, tiny_model_dir: Path) -> N
     assert last > first
     first, last = window_means(series["critic/score/mean"])
     assert last > first + 0.2, (first, last)
+
+
+def test_export_of_the_final_checkpoint_matches_the_trained_model(quickstart_run: Path, tmp_path: Path) -> None:
+    """`verl-hpc export` of the last checkpoint gives the trainer's logits (streamed from DCP)."""
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "exported"
+    proc = run_cli("export", str(quickstart_run / "checkpoints" / "step_00000500"), str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    trained = AutoModelForCausalLM.from_pretrained(quickstart_run / "hf_model").eval()
+    exported = AutoModelForCausalLM.from_pretrained(out).eval()
+    ids = torch.randint(2, 60, (4, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.allclose(trained(ids).logits, exported(ids).logits, atol=1e-5)

@@ -20,8 +20,28 @@ def response_logits(model: torch.nn.Module, inputs: dict[str, torch.Tensor], tem
     resp_len = inputs["response_mask"].shape[1]
     out = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
                 position_ids=inputs["position_ids"], logits_to_keep=resp_len + 1, use_cache=False)
-    logits = out.logits[:, :-1, :]
+    logits = exclude_padding(out.logits[:, :-1, :], unsampled_token(model))
     return logits / temperature if temperature != 1.0 else logits
+
+
+def unsampled_token(model: torch.nn.Module) -> int | None:
+    """The pad token, when it is distinct from EOS: never an action, never sampled."""
+    config = getattr(model, "config", None)
+    pad, eos = getattr(config, "pad_token_id", None), getattr(config, "eos_token_id", None)
+    return pad if pad is not None and pad != eos else None
+
+
+def exclude_padding(logits: torch.Tensor, pad_id: int | None) -> torch.Tensor:
+    """Take the pad token out of the policy's distribution, for the sampler and the trainer alike.
+
+    Why both: if only the sampler skipped it, the probability mass the policy keeps on pad
+    would silently make the sampled distribution differ from the one being optimised — an
+    off-policy error that grows with training and ends in collapse. A large finite
+    negative (not -inf) keeps entropies finite.
+    """
+    if pad_id is None:
+        return logits
+    return logits.index_fill(-1, torch.tensor([pad_id], device=logits.device), -1e9)
 
 
 def response_logprobs(model: torch.nn.Module, inputs: dict[str, torch.Tensor], temperature: float,

@@ -12,6 +12,7 @@ from collections.abc import Iterable
 import torch
 
 from verl_hpc.config import SamplingConfig
+from verl_hpc.roles.forward import exclude_padding, unsampled_token
 from verl_hpc.roles.rollout.base import Generation
 
 
@@ -45,12 +46,13 @@ class HFRolloutEngine:
             output_logits=True, return_dict_in_generate=True,
             # Padding is not an action: a sampled pad would be cut from the sequence by every
             # consumer that strips padding (reward models, the trainer's masks).
-            suppress_tokens=[self.pad_id] if self.pad_id != self.eos_id else None,
+            suppress_tokens=[unsampled_token(self.model)] if unsampled_token(self.model) is not None else None,
             stopping_criteria=[stopper] if stopper else None,
         )
         self.model.train(was_training)
         tokens = out.sequences[:, width:].cpu()
-        logits = torch.stack(out.logits, dim=1).float().cpu() / sampling.temperature
+        logits = exclude_padding(torch.stack(out.logits, dim=1).float().cpu(), unsampled_token(self.model))
+        logits = logits / sampling.temperature
         logprobs = torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
         return _trim(tokens, logprobs, self.eos_id, stopper.lengths if stopper else None)
 
