@@ -65,12 +65,17 @@ def test_reward_model_scores_rollouts(tmp_path: Path, tiny_model_dir: Path) -> N
     assert len(scores) == 2 and all(s not in (0.0, 1.0) for s in scores)  # real-valued model scores
 
 
-def test_run_dir_is_never_reused(tmp_path: Path, tiny_model_dir: Path) -> None:
+def test_run_dir_is_never_overwritten(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """A finished run resumes (nothing left to do, nothing rewritten); without resume it is refused."""
     data = quick_dict(tiny_model_dir, steps=1)
     HybridTrainer(config=data, run_dir=tmp_path / "run").train()
     before = (tmp_path / "run" / "tensorboard" / "metrics.jsonl").read_text()
+    result = HybridTrainer(config=data, run_dir=tmp_path / "run").train()  # resume: already at the end
+    assert result.steps == 1
+    assert (tmp_path / "run" / "tensorboard" / "metrics.jsonl").read_text() == before
+    never = {**data, "checkpoint": {"resume": "never"}}
     with pytest.raises(ConfigError, match="run_dir"):
-        HybridTrainer(config=data, run_dir=tmp_path / "run")
+        HybridTrainer(config=never, run_dir=tmp_path / "run")
     assert (tmp_path / "run" / "tensorboard" / "metrics.jsonl").read_text() == before
     assert (tmp_path / "run").stat().st_mode & 0o777 == 0o700
 
