@@ -34,8 +34,11 @@ def _train(run_dir: Path, model: Path, *extra: str) -> subprocess.CompletedProce
     return proc
 
 
-def test_sigkill_after_a_checkpoint_then_resume_is_exact(tmp_path: Path, tiny_model_dir: Path) -> None:
-    steps = ["trainer.total_steps=14"]
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_sigkill_after_a_checkpoint_then_resume_is_exact(tmp_path: Path, tiny_model_dir: Path,
+                                                          staleness: int) -> None:
+    """With max_staleness 1 the rollouts generated ahead ride in the checkpoint (Arrow IPC)."""
+    steps = ["trainer.total_steps=14", f"algorithm.max_staleness={staleness}"]
     _train(tmp_path / "whole", tiny_model_dir, *steps)
     interrupted = tmp_path / "interrupted"
     cli = subprocess.Popen([sys.executable, "-m", "verl_hpc", "train", "configs/quickstart_split.yaml",

@@ -24,6 +24,7 @@ SCHEMA = pa.schema([
     pa.field("prompt_index", pa.int64(), nullable=False),
     pa.field("group_id", pa.int64(), nullable=False),
     pa.field("policy_version", pa.int64(), nullable=False),
+    pa.field("step", pa.int64(), nullable=False),  # the training step this rollout is for
     pa.field("prompt_ids", pa.list_(pa.int32()), nullable=False),
     pa.field("response_ids", pa.list_(pa.int32()), nullable=False),
     pa.field("ground_truth", pa.string()),
@@ -106,12 +107,13 @@ class RolloutBatch:
     def from_generation(cls, prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]],
                         rollout_logprobs: Sequence[Sequence[float]] | None, group_ids: Sequence[int],
                         prompt_index: Sequence[int], ground_truth: Sequence[str | None],
-                        policy_version: int) -> RolloutBatch:
+                        policy_version: int, step: int = 0) -> RolloutBatch:
         n = len(prompt_ids)
         columns: dict[str, Any] = {
             "prompt_index": pa.array(prompt_index, pa.int64()),
             "group_id": pa.array(group_ids, pa.int64()),
             "policy_version": pa.array(np.full(n, policy_version, dtype=np.int64)),
+            "step": pa.array(np.full(n, step, dtype=np.int64)),
             "prompt_ids": _ragged(prompt_ids, pa.int32()),
             "response_ids": _ragged(response_ids, pa.int32()),
             "ground_truth": pa.array(list(ground_truth), pa.string()),

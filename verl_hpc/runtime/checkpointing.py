@@ -111,8 +111,10 @@ class RunCheckpointer:
             due = bool(flag.item())
         return due
 
-    def save(self, step: int, policy_version: int, sampler, actor, critic, block: bool | None = None) -> Path:
-        state = {"step": step, "policy_version": policy_version, "sampler": sampler.state_dict(),
+    def save(self, step: int, policy_version: int, sampler, actor, critic, block: bool | None = None,
+             extra_state: dict[str, Any] | None = None, extra_files: dict[str, bytes] | None = None) -> Path:
+        state = {**(extra_state or {}), "step": step, "policy_version": policy_version,
+                 "sampler": sampler.state_dict(),
                  "actor_scheduler": actor.scheduler.state_dict(),
                  "critic_scheduler": critic.scheduler.state_dict() if critic is not None else None}
         meta = {"world_sizes": self.world_sizes, "model_dir": str(expand_path(self.cfg.model.path)),
@@ -121,7 +123,8 @@ class RunCheckpointer:
         start = time.perf_counter()
         path = self.manager.save(step, role_state(actor, critic), meta,
                                  rank_files={"rng.json": run_state.dumps(run_state.rng_state())},
-                                 shared_files={RUN_STATE_FILE: run_state.dumps(state)}, block=block)
+                                 shared_files={RUN_STATE_FILE: run_state.dumps(state), **(extra_files or {})},
+                                 block=block)
         self.last_save, self.requested = time.monotonic(), False
         self.save_seconds = time.perf_counter() - start
         log.info("checkpoint of step %d %s (%.3fs stall)", step, "written" if block else "started",

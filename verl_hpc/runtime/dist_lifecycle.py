@@ -21,6 +21,7 @@ from verl_hpc.runtime.dist_roles import STOP_PAYLOAD
 from verl_hpc.utils.logging import get_logger
 
 log = get_logger("dist_trainer")
+BUFFER_FILE = "rollout_buffer.arrow"  # rollouts generated ahead (max_staleness > 0), Arrow IPC
 
 
 class DistLifecycle:
@@ -51,9 +52,12 @@ class DistLifecycle:
         run: list[Any] = [None]
         if self.checkpointer is not None:
             run = [self.checkpointer.restore(Path(info[0]), self.sampler, self.roles.actor, self.roles.critic)]
+        if self.is_leader and run[0].get("buffered_steps"):
+            self.load_buffered_rollouts(self.checkpointer.manager.read_shared(Path(info[0]), BUFFER_FILE))
         dist.broadcast_object_list(run, src=ctx.plan.group_ranks("trainer")[0], group=ctx.control_group)
         state = run[0]
         self.step, self.policy_version = state["step"], state["policy_version"]
+        self.buffered_steps = int(state.get("buffered_steps", 0))
         if self.checkpointer is None:
             self.sampler.load_state_dict(state["sampler"])
         if self.roles.engine is not None and not self.split:
@@ -80,8 +84,10 @@ class DistLifecycle:
         if ckpt is None or not ckpt.due(self.step):
             return
         final = self.step == self.cfg.trainer.total_steps or ckpt.requested
+        buffered, data = self.buffered_rollouts() if self.is_leader else (0, None)
         ckpt.save(self.step, self.policy_version, self.sampler, self.roles.actor, self.roles.critic,
-                  block=True if final else None)
+                  block=True if final else None, extra_state={"buffered_steps": buffered},
+                  extra_files={BUFFER_FILE: data} if data else None)
         if self.is_leader:
             metrics["timing_s/save_checkpoint"] = ckpt.save_seconds
 

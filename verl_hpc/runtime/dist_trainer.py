@@ -55,6 +55,8 @@ class DistributedTrainer(DistLifecycle):
         self.cfg, self.ctx, self.run_dir = cfg, ctx, run_dir
         self.step, self.policy_version, self.resume_step = 0, 0, 0
         self.stopping = False
+        self.pending: dict[int, list[RolloutBatch]] = {}  # leader: rollouts filed by step
+        self.buffered_steps = 0  # after a resume: steps whose rollouts came from the checkpoint
         self.is_leader = ctx.env.rank == ctx.plan.group_ranks("trainer")[0]
 
     def train(self) -> str | None:
@@ -177,6 +179,8 @@ class DistributedTrainer(DistLifecycle):
         generation of batch s+1 overlaps the trainer's update on batch s.
         """
         lag = self.cfg.algorithm.max_staleness
+        if self.step <= self.resume_step + self.buffered_steps:
+            return {}  # this step's rollouts were restored from the checkpoint
         if self.step > self.resume_step + lag + 1:
             with timer("update_weights"):
                 self.receive_weights()
@@ -210,7 +214,7 @@ class DistributedTrainer(DistLifecycle):
             group_ids=[start + g for g in range(len(mine)) for _ in range(n)],
             prompt_index=[i for i in mine for _ in range(n)],
             ground_truth=[roles.dataset.answers[i] for i in mine for _ in range(n)],
-            policy_version=roles.engine.policy_version)
+            policy_version=roles.engine.policy_version, step=self.step)
         if roles.rule_reward is not None and len(batch):
             batch = batch.with_columns(score=roles.rule_reward.score(batch))
         return batch
@@ -235,19 +239,50 @@ class DistributedTrainer(DistLifecycle):
         return _sorted_by_group(RolloutBatch.concat(batches))
 
     def receive_rollouts(self) -> list[RolloutBatch]:
-        """This step's batch from every rollout rank, or an error naming who did not deliver."""
+        """This step's batches (every rollout rank's part), or an error naming who did not deliver.
+
+        Batches are filed by their `step` column: with `max_staleness` > 0 a fast rollout rank
+        may deliver later steps before a slow one delivers this one.
+        """
+        while self.rows_pending(self.step) < self.cfg.trainer.batch_size:
+            self.pull_rollout()
+        return self.pending.pop(self.step)
+
+    def rows_pending(self, step: int) -> int:
+        return sum(len(b) for b in self.pending.get(step, []))
+
+    def pull_rollout(self) -> None:
         roles, ctx = self.roles, self.ctx
-        batches: list[RolloutBatch] = []
-        for _ in range(roles.num_generators):
-            try:
-                batches.append(roles.flight_server.get(timeout=ctx.timeout_seconds))
-            except TimeoutError:
-                ranks = ctx.plan.group_ranks(ctx.plan.group_of_role("rollout").name)
-                raise TimeoutError(
-                    f"step {self.step}: got {len(batches)} of {roles.num_generators} rollout batches within "
-                    f"timeout_seconds={ctx.timeout_seconds:g}; rollout rank(s) {ranks} did not deliver "
-                    "(hint: see logs/rollout_rank*.out)") from None
-        return batches
+        try:
+            batch = roles.flight_server.get(timeout=ctx.timeout_seconds)
+        except TimeoutError:
+            ranks = ctx.plan.group_ranks(ctx.plan.group_of_role("rollout").name)
+            raise TimeoutError(
+                f"step {self.step}: got {self.rows_pending(self.step)} of {self.cfg.trainer.batch_size} rollouts "
+                f"within timeout_seconds={ctx.timeout_seconds:g}; rollout rank(s) {ranks} did not deliver "
+                "(hint: see logs/rollout_rank*.out)") from None
+        self.pending.setdefault(int(batch.column("step")[0].as_py()), []).append(batch)
+
+    def buffered_rollouts(self) -> tuple[int, bytes | None]:
+        """Leader, max_staleness > 0: the rollouts already generated for the next steps, as Arrow IPC.
+
+        They were sampled from older weights that no longer exist; saving them is what makes
+        an off-policy run resume exactly.
+        """
+        last = min(self.step + self.cfg.algorithm.max_staleness, self.cfg.trainer.total_steps)
+        if not self.split or last <= self.step:
+            return 0, None
+        for future in range(self.step + 1, last + 1):
+            while self.rows_pending(future) < self.cfg.trainer.batch_size:
+                self.pull_rollout()
+        batches = [b for s in range(self.step + 1, last + 1) for b in self.pending[s]]
+        return last - self.step, RolloutBatch.concat(batches).to_ipc()
+
+    def load_buffered_rollouts(self, data: bytes) -> None:
+        batch = RolloutBatch.from_ipc(data)
+        steps = batch.column("step").to_numpy()
+        for s in sorted(set(steps.tolist())):
+            self.pending[int(s)] = [batch.take((steps == s).nonzero()[0])]
 
     def train_on(self, full: RolloutBatch | None, timer: Timer) -> dict[str, float]:
         """Advantages on rank 0, shards to every trainer rank, then the sharded updates."""
