@@ -15,6 +15,7 @@ to be told which prompts come next.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pyarrow as pa
@@ -55,6 +56,7 @@ class DistributedTrainer(DistLifecycle):
         self.cfg, self.ctx, self.run_dir = cfg, ctx, run_dir
         self.step, self.policy_version, self.resume_step = 0, 0, 0
         self.stopping = False
+        self.requeued = False  # leader: whether a stop ended in `scontrol requeue`
         self.pending: dict[int, list[RolloutBatch]] = {}  # leader: rollouts filed by step
         self.buffered_steps = 0  # after a resume: steps whose rollouts came from the checkpoint
         self.is_leader = ctx.env.rank == ctx.plan.group_ranks("trainer")[0]
@@ -113,8 +115,10 @@ class DistributedTrainer(DistLifecycle):
             if signum:
                 self.stop_others()
                 if self.is_leader:
+                    self.requeued, message = requeue(ctx.env, cfg.slurm.max_requeues)
                     log.warning("stopped by %s after step %d (checkpoint saved); %s", StopFlag.name(signum),
-                                self.step, requeue(ctx.env, cfg.slurm.max_requeues))
+                                self.step, message)
+                    print(f"verl-hpc: {message}", file=sys.stderr, flush=True)
                 return StopFlag.name(signum)
         return None
 

@@ -62,18 +62,21 @@ class StopFlag:
         return signal.Signals(signum).name if signum else "none"
 
 
-def requeue(env: JobEnvironment, max_requeues: int) -> str:
-    """Ask Slurm to requeue this job (leader only); returns what happened, in one line."""
+EXIT_STOPPED_UNFINISHED = 3  # under Slurm: stopped with a checkpoint, but not requeued
+
+
+def requeue(env: JobEnvironment, max_requeues: int) -> tuple[bool, str]:
+    """Ask Slurm to requeue this job (leader only): (requeued?, what happened in one line)."""
     if env.scheduler != "slurm" or not env.job_id:
-        return "not under Slurm: not requeuing; run the same command again to resume"
+        return False, "not under Slurm: not requeuing; run the same command again to resume"
     if env.restart_count >= max_requeues:
-        return (f"slurm.max_requeues={max_requeues} reached (restart {env.restart_count}): not requeuing; "
-                "the checkpoints are kept, resubmit with the same run dir to continue")
+        return False, (f"slurm.max_requeues={max_requeues} reached (restart {env.restart_count}): not "
+                       "requeuing; the checkpoints are kept, resubmit with the same run dir to continue")
     scontrol = shutil.which("scontrol")
     if scontrol is None:
-        return ("scontrol is not on PATH (common inside containers): cannot requeue job "
-                f"{env.job_id}; the checkpoint is complete, resubmit with the same run dir (docs/slurm.md)")
+        return False, ("scontrol is not on PATH (common inside containers): cannot requeue job "
+                       f"{env.job_id}; the checkpoint is complete, resubmit with the same run dir (docs/slurm.md)")
     proc = subprocess.run([scontrol, "requeue", env.job_id], capture_output=True, text=True, timeout=60)
     if proc.returncode != 0:
-        return f"scontrol requeue {env.job_id} failed: {proc.stderr.strip() or proc.stdout.strip()}"
-    return f"requeued job {env.job_id} (restart {env.restart_count + 1} of at most {max_requeues})"
+        return False, f"scontrol requeue {env.job_id} failed: {proc.stderr.strip() or proc.stdout.strip()}"
+    return True, f"requeued job {env.job_id} (restart {env.restart_count + 1} of at most {max_requeues})"
