@@ -170,7 +170,6 @@ DESCRIPTIONS: dict[str, str] = {
     "slurm.signal_grace_seconds": "seconds before the time limit at which Slurm signals a final checkpoint",
     "slurm.max_requeues": "give up after this many requeues",
     "slurm.setup": "shell lines run before the job starts (e.g. `module load cuda`)",
-    "slurm.folder": "where job scripts and Slurm logs go; `%j` becomes the job id",
 }
 
 

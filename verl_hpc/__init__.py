@@ -14,9 +14,11 @@ from verl_hpc.config import ConfigError, Dataflow, RunConfig, load_config, load_
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
+    from verl_hpc.launch.slurm import SlurmJob, submit
     from verl_hpc.runtime.trainer import HybridTrainer
 
-__all__ = ["ConfigError", "Dataflow", "HybridTrainer", "RunConfig", "__version__", "load_config", "load_resource_config"]
+__all__ = ["ConfigError", "Dataflow", "HybridTrainer", "RunConfig", "SlurmJob", "__version__", "load_config",
+           "load_resource_config", "submit"]
 
 
 def __getattr__(name: str) -> Any:
@@ -24,4 +26,8 @@ def __getattr__(name: str) -> Any:
         from verl_hpc.runtime.trainer import HybridTrainer
 
         return HybridTrainer
+    if name in ("submit", "SlurmJob"):  # submitit loads only when submitting
+        from verl_hpc.launch import slurm
+
+        return getattr(slurm, name)
     raise AttributeError(f"module 'verl_hpc' has no attribute {name!r}")

@@ -75,8 +75,14 @@ class RoleResources(StrictModel):
 
     @property
     def world_size(self) -> int:
-        """Processes this role runs as on one machine: one per device slot."""
-        return len(self.device_ids)
+        """Processes this role runs as: `nodes` x tasks per node (default: one per device slot).
+
+        Why nodes count: under Slurm a role's hetjob component starts `--nodes` x
+        `--ntasks-per-node` tasks, and the process plan, the local launcher and the sbatch
+        script must agree on that number. `verl-hpc train` refuses `nodes > 1`, so locally
+        this is the tasks per node, i.e. one process per device slot unless told otherwise.
+        """
+        return self.nodes * (self.tasks_per_node or len(self.device_ids))
 
 
 class ResourceConfig(StrictModel):

@@ -149,7 +149,6 @@ class SlurmConfig(StrictModel):
     signal_grace_seconds: int = Field(120, ge=1)
     max_requeues: int = Field(5, ge=0)
     setup: list[str] = Field(default_factory=list)
-    folder: str = "slurm_jobs/%j"
 
 
 class RunConfig(StrictModel):

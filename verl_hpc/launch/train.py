@@ -11,7 +11,7 @@ import signal
 import sys
 from pathlib import Path
 
-from verl_hpc.config import RunConfig, dump_config
+from verl_hpc.config import ConfigError, RunConfig, dump_config
 from verl_hpc.config.placement import plan_for_config
 from verl_hpc.runtime.components import ensure_model, prompt_files
 from verl_hpc.runtime.run_dir import prepare_run_dir
@@ -22,22 +22,49 @@ def needs_launcher(cfg: RunConfig) -> bool:
     return plan_for_config(cfg).world_size > 1
 
 
-def train(cfg: RunConfig, run_dir: str | Path | None = None) -> TrainResult:
-    if not needs_launcher(cfg):
-        return HybridTrainer(cfg, run_dir=run_dir).train()
-    return launch_local(cfg, run_dir)
+def check_local(cfg: RunConfig) -> None:
+    """Refuse what only Slurm can run: a role over several nodes (one machine here).
+
+    Why before anything starts: the plan counts `nodes` x tasks per node processes, so a
+    local launch would start them all on this machine and mislabel them as other nodes.
+    """
+    names = {"trainer": "actor"}
+    for group in plan_for_config(cfg).groups:
+        if group.resources.nodes > 1:
+            role = names.get(group.name, group.name)
+            raise ConfigError(f"resources.{role}.nodes", f"{group.resources.nodes} nodes need Slurm; "
+                              "`verl-hpc train` runs every process on this machine",
+                              "submit it with `verl-hpc submit CONFIG`, or set nodes: 1")
 
 
-def launch_local(cfg: RunConfig, run_dir: str | Path | None) -> TrainResult:
+def prepare_run(cfg: RunConfig, run_dir: str | Path | None) -> Path:
+    """Make the run directory ready for workers: config.yaml, the model, prompts, the secret.
+
+    Why shared: the local launcher and `verl-hpc submit` need the same directory, made once
+    by one process (none of these steps is safe to race from several workers).
+    """
     from verl_hpc.data.transport import create_run_secret
-    from verl_hpc.launch.local import LocalLauncher
-    from verl_hpc.metrics import read_jsonl_metrics
 
     path = prepare_run_dir(run_dir or cfg.run_dir, cfg)
     (path / "config.yaml").write_text(dump_config(cfg))
     ensure_model(cfg)
     prompt_files(cfg, path)
     create_run_secret(path)
+    return path
+
+
+def train(cfg: RunConfig, run_dir: str | Path | None = None) -> TrainResult:
+    check_local(cfg)
+    if not needs_launcher(cfg):
+        return HybridTrainer(cfg, run_dir=run_dir).train()
+    return launch_local(cfg, run_dir)
+
+
+def launch_local(cfg: RunConfig, run_dir: str | Path | None) -> TrainResult:
+    from verl_hpc.launch.local import LocalLauncher
+    from verl_hpc.metrics import read_jsonl_metrics
+
+    path = prepare_run(cfg, run_dir)
     plan = plan_for_config(cfg)
     launcher = LocalLauncher(plan, path, [sys.executable, "-m", "verl_hpc.runtime.worker"],
                              grace_seconds=min(10.0, cfg.resources.timeout_seconds))

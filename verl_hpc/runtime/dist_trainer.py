@@ -52,10 +52,12 @@ def shard_range(total: int, parts: int, index: int) -> tuple[int, int]:
 
 
 class DistributedTrainer(DistLifecycle):
-    def __init__(self, cfg: RunConfig, ctx: DistContext, run_dir: Path):
+    def __init__(self, cfg: RunConfig, ctx: DistContext, run_dir: Path, stop: StopFlag | None = None):
         self.cfg, self.ctx, self.run_dir = cfg, ctx, run_dir
         self.step, self.policy_version, self.resume_step = 0, 0, 0
         self.stopping = False
+        # The worker installs the flag before anything slow: a USR1 during start-up must not kill it.
+        self.stop, self._own_stop = (stop, False) if stop is not None else (StopFlag(), True)
         self.requeued = False  # leader: whether a stop ended in `scontrol requeue`
         self.pending: dict[int, list[RolloutBatch]] = {}  # leader: rollouts filed by step
         self.buffered_steps = 0  # after a resume: steps whose rollouts came from the checkpoint
@@ -73,7 +75,8 @@ class DistributedTrainer(DistLifecycle):
             if self.split and ctx.is_role("rollout") and ctx.rank_in_group == 0 else None
         self.heartbeat = Heartbeat(ctx.plan, ctx.env.rank, _default_store())
         self.checkpointer = self.make_checkpointer() if ctx.is_role("actor") else None
-        self.stop = StopFlag().install()
+        if self._own_stop:
+            self.stop.install()
         ctx.barrier("start")
         self.resume_step = self.resume()
         logger = MetricsLogger(self.run_dir / "tensorboard", cfg.logging.tensorboard,
@@ -89,7 +92,8 @@ class DistributedTrainer(DistLifecycle):
                     self.save_hf_model()
             return stopped_by
         finally:
-            self.stop.restore()
+            if self._own_stop:  # a worker keeps ignoring late signals (a second TERM) until it exits
+                self.stop.restore()
             for sink in (progress, logger, self.rollout_logger):
                 if sink is not None:
                     sink.close()

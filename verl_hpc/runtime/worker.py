@@ -7,19 +7,58 @@ comes from the environment (rank, world, master) and the run directory (config.y
 from __future__ import annotations
 
 import os
+import signal
 import sys
-import traceback
-from pathlib import Path
 
-from verl_hpc.config import load_config
-from verl_hpc.config.placement import plan_for_config
-from verl_hpc.runtime.dist import init_distributed
-from verl_hpc.runtime.dist_trainer import DistributedTrainer
-from verl_hpc.runtime.env import JobEnvironment
-from verl_hpc.utils.logging import get_logger, setup_logging
+# Before the heavy imports below (seconds of torch loading): a USR1/TERM that arrives while
+# this process starts (a preemption, say) is recorded, not fatal. StopFlag takes it over.
+_EARLY_SIGNALS: list[int] = []
+for _sig in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT):
+    signal.signal(_sig, lambda signum, _frame: _EARLY_SIGNALS.append(signum))
+
+import time  # noqa: E402
+import traceback  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from verl_hpc.config import load_config  # noqa: E402
+from verl_hpc.config.placement import plan_for_config  # noqa: E402
+from verl_hpc.runtime.dist import init_distributed  # noqa: E402
+from verl_hpc.runtime.dist_trainer import DistributedTrainer  # noqa: E402
+from verl_hpc.runtime.env import JobEnvironment  # noqa: E402
+from verl_hpc.runtime.signals import EXIT_STOPPED_UNFINISHED, StopFlag  # noqa: E402
+from verl_hpc.utils.logging import get_logger, setup_logging  # noqa: E402
+
+
+def redirect_output(log_dir: str | None, group: str, env: JobEnvironment) -> Path | None:
+    """Append this process's stdout/stderr (fds 1 and 2) to `<log_dir>/<group>_rank<N>.out`.
+
+    Why here and not in srun: in a het step srun's `%j` expands to the component's job id
+    and `%t` is wrong, so per-rank files must be opened by the rank itself. dup2 moves the
+    file descriptors, so C/C++ output (NCCL, gloo, a segfault trace) lands there too. Append
+    mode keeps earlier attempts (requeues, resumed jobs) in the same file, after a header.
+    """
+    if not log_dir:
+        return None
+    path = Path(log_dir) / f"{group}_rank{env.rank}.out"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+    finally:
+        os.close(fd)
+    for stream in (sys.stdout, sys.stderr):
+        stream.reconfigure(line_buffering=True)  # type: ignore[union-attr]
+    print(f"==== verl-hpc job {env.job_id} restart {env.restart_count} {time.strftime('%Y-%m-%d %H:%M:%S')}: "
+          f"{group} rank {env.rank} of {env.world_size} on {env.hostname} (pid {os.getpid()}) ====")
+    return path
 
 
 def main() -> int:
+    stop = StopFlag().install()  # kept until exit: a second TERM while shutting down is ignored
+    stop.received = _EARLY_SIGNALS[0] if _EARLY_SIGNALS else None
     run_dir = Path(os.environ["VERL_HPC_RUN_DIR"])
     cfg = load_config(run_dir / "config.yaml")
     if cfg.trainer.torch_threads:
@@ -29,13 +68,17 @@ def main() -> int:
     env = JobEnvironment.from_env()
     plan = plan_for_config(cfg)
     group, rank_in_group = plan.locate(env.rank)
+    redirect_output(os.environ.get("VERL_HPC_LOG_DIR"), group.name, env)
     setup_logging(run_dir / "logs", group.name, env.rank, cfg.logging.level, console=rank_in_group == 0)
     env.write_debug_file(run_dir / "logs" / f"env_{group.name}_rank{env.rank}.json")
     ctx = init_distributed(env, plan, cfg.resources.resolved_backend(), cfg.resources.timeout_seconds)
     try:
-        stopped_by = DistributedTrainer(cfg, ctx, run_dir).train()
+        trainer = DistributedTrainer(cfg, ctx, run_dir, stop)
+        stopped_by = trainer.train()
         if stopped_by is not None:
             get_logger("worker").info("stopped: %s", stopped_by)
+            if trainer.is_leader and env.scheduler == "slurm" and not trainer.requeued:
+                return EXIT_STOPPED_UNFINISHED  # the job must not look COMPLETED
     except Exception as err:  # the launcher shows a log's last lines: make the cause the last one
         traceback.print_exc()
         get_logger("worker").error("failed: %s", err, exc_info=True)

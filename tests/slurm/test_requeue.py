@@ -1,0 +1,133 @@
+"""Preemption, `scontrol requeue` and the time-limit signal on a real Slurm: checkpoint, requeue, resume.
+
+Each interrupted job must end COMPLETED after at least one restart with exactly the per-step
+metrics of the same config run uninterrupted by the local launcher (same ranks, same seeds),
+so no step is lost or computed twice. `slurm.max_requeues` bounds the loop.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+
+if TYPE_CHECKING:
+    from conftest import SlurmCluster
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+REPO = Path(__file__).resolve().parents[2]
+DONE = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
+VOLATILE = ("timing_s/", "perf/", "memory/")
+
+
+def cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    return subprocess.run([sys.executable, "-m", "verl_hpc", *args], cwd=REPO, env=env, text=True,
+                          capture_output=True, timeout=timeout, check=False)
+
+
+def rows(run_dir: Path) -> list[dict]:
+    lines = (run_dir / "tensorboard" / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def stable(run_dir: Path) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in rows(run_dir)]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from verl_hpc.models.tiny import init_model
+
+    return init_model(tmp_path_factory.mktemp("requeue") / "tiny", preset="tiny", seed=0)
+
+
+def reference(tmp: Path, model: Path, steps: int) -> list[dict]:
+    """The same config, uninterrupted, through the local launcher."""
+    run_dir = tmp / f"reference{steps}"
+    done = cli("train", "configs/slurm_local.yaml", "--run-dir", str(run_dir), f"model.path={model}",
+               f"trainer.total_steps={steps}", "checkpoint.interval_steps=10", "logging.progress=off")
+    assert done.returncode == 0, done.stderr[-3000:]
+    return stable(run_dir)
+
+
+def submit(run_dir: Path, model: Path, *overrides: str) -> int:
+    done = cli("submit", "configs/slurm_local.yaml", "--run-dir", str(run_dir), f"model.path={model}",
+               "checkpoint.interval_steps=10", "logging.progress=off", *overrides)
+    assert done.returncode == 0, done.stderr
+    return int(next(line.split()[-1] for line in done.stdout.splitlines() if line.startswith("submitted job")))
+
+
+def steps_done(run_dir: Path) -> int:
+    path = run_dir / "tensorboard" / "metrics.jsonl"
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def finish(cluster: SlurmCluster, job: int, timeout: float = 400) -> list[dict[str, str]]:
+    assert cluster.wait_for(lambda: set(cluster.job_states(job)) <= DONE and cluster.job_states(job) != [],
+                            timeout=timeout), cluster.job_records(job)
+    return cluster.job_records(job)
+
+
+def restart_counts(run_dir: Path) -> set[int]:
+    files = (run_dir / "logs").glob("env_*_rank*.json")
+    return {int(json.loads(f.read_text())["derived"]["restart_count"]) for f in files}
+
+
+def test_preemption_checkpoints_requeues_and_resumes_exactly(slurm_cluster: SlurmCluster, model: Path,
+                                                             tmp_path: Path) -> None:
+    expected = reference(tmp_path, model, 60)
+    run_dir = tmp_path / "preempted"
+    job = submit(run_dir, model, "trainer.total_steps=60")
+    assert slurm_cluster.wait_for(lambda: steps_done(run_dir) >= 12, timeout=240)
+    # A job in the high partition that wants every node preempts ours (USR1 now, TERM after 15 s).
+    slurm_cluster.sbatch("-p", "high", "-N4", "--exclusive", "-o", "/dev/null", "--wrap", "sleep 2")
+    records = finish(slurm_cluster, job)
+    assert {r["JobState"] for r in records} == {"COMPLETED"}, records
+    assert int(records[0]["Restarts"]) >= 1
+    assert 1 in restart_counts(run_dir)  # the workers saw SLURM_RESTART_COUNT=1 when they came back
+    assert stable(run_dir) == expected  # every step once, every number equal
+
+
+def test_scontrol_requeue_mid_run_resumes_exactly(slurm_cluster: SlurmCluster, model: Path, tmp_path: Path) -> None:
+    expected = reference(tmp_path, model, 60)
+    run_dir = tmp_path / "requeued"
+    job = submit(run_dir, model, "trainer.total_steps=60")
+    assert slurm_cluster.wait_for(lambda: steps_done(run_dir) >= 12, timeout=240)
+    slurm_cluster.run("scontrol", "requeue", str(job))  # SIGTERM to every task at once
+    records = finish(slurm_cluster, job)
+    assert {r["JobState"] for r in records} == {"COMPLETED"}, records
+    assert int(records[0]["Restarts"]) >= 1
+    assert stable(run_dir) == expected
+
+
+def test_time_limit_signal_requeues_until_done(slurm_cluster: SlurmCluster, model: Path, tmp_path: Path) -> None:
+    """`--time=1 --signal=B:USR1@50`: USR1 arrives 10-40 s in (Slurm checks limits twice a minute)."""
+    steps = 400
+    expected = reference(tmp_path, model, steps)
+    run_dir = tmp_path / "timed"
+    job = submit(run_dir, model, f"trainer.total_steps={steps}", "slurm.time=00:01:00",
+                 "slurm.signal_grace_seconds=50", "slurm.max_requeues=10")
+    records = finish(slurm_cluster, job, timeout=900)
+    assert {r["JobState"] for r in records} == {"COMPLETED"}, records
+    assert int(records[0]["Restarts"]) >= 1
+    assert stable(run_dir) == expected
+
+
+def test_max_requeues_ends_the_job_with_a_message_and_keeps_checkpoints(slurm_cluster: SlurmCluster, model: Path,
+                                                                       tmp_path: Path) -> None:
+    run_dir = tmp_path / "bounded"
+    job = submit(run_dir, model, "trainer.total_steps=5000", "slurm.time=00:01:00",
+                 "slurm.signal_grace_seconds=50", "slurm.max_requeues=0")
+    records = finish(slurm_cluster, job, timeout=300)
+    assert int(records[0]["Restarts"]) == 0
+    assert "FAILED" in {r["JobState"] for r in records}  # stopped unfinished: not passed off as done
+    logs = "".join(p.read_text() for p in (run_dir / "slurm" / "logs").glob("trainer_rank0.out"))
+    assert "slurm.max_requeues=0 reached" in logs
+    listing = cli("ckpt", "list", str(run_dir))
+    assert listing.returncode == 0 and "committed" in listing.stdout

@@ -1,0 +1,269 @@
+"""The sbatch script of a run: a pure function of the config, golden-tested and dry-runnable.
+
+Why one function and no I/O: `verl-hpc submit` sends it, `verl-hpc sbatch` prints it, the
+templates in `sbatch/` are its output, and the tests compare it to golden files, so all
+four must be the same text from the same inputs. Nothing here reads the environment or
+the disk; paths, the Python and the version are arguments.
+
+Layout: one hetjob component per `ProcessPlan` group, in plan order, because
+`srun --het-group=0-N` numbers tasks contiguously per component in that order, which is
+exactly how the plan assigns global ranks (verl_hpc/config/placement.py). A plan with one
+group renders a plain job: Slurm refuses `--het-group` outside a hetjob (measured).
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from verl_hpc import __version__
+from verl_hpc.config import ConfigError, RoleResources, RunConfig
+from verl_hpc.config.placement import GroupSpec, ProcessPlan, plan_for_config
+
+WORKER_MODULE = "verl_hpc.runtime.worker"
+# #SBATCH lines are split on whitespace by sbatch, and quoting there is not shell quoting.
+_SBATCH_VALUE = re.compile(r"^[^\s'\"\\]+$")
+# Variables of the submitting shell (sbatch exports it to the job) that would override
+# Slurm's description of the tasks: JobEnvironment prefers them (verl_hpc/runtime/env.py).
+_STALE_LAUNCHER_VARS = "VERL_HPC_RANK VERL_HPC_WORLD_SIZE RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE"
+
+
+@dataclass(frozen=True)
+class ScriptPaths:
+    """Where the script points, as shell text: escaped absolute paths, or a template's defaults."""
+
+    run_dir: str
+    python: str
+    log_dir: str
+    output: str
+    usage: tuple[str, ...]
+
+
+def render_sbatch(cfg: RunConfig, run_dir: Path, job_folder: Path, python: str = sys.executable,
+                  version: str = __version__) -> str:
+    """The heterogeneous sbatch script that runs `cfg` in `run_dir`, job files in `job_folder`.
+
+    Both paths must be absolute: the script runs on another machine, in another directory.
+    """
+    _check_values(cfg)
+    for name, path in (("run_dir", run_dir), ("job_folder", job_folder)):
+        if not Path(path).is_absolute():
+            raise ValueError(f"{name} must be an absolute path, got {path}")
+    paths = ScriptPaths(
+        run_dir=_dq(str(run_dir)), python=_dq(python), log_dir=_dq(str(Path(job_folder) / "logs")),
+        output=_sbatch_value("run_dir", f"{job_folder}/%j_batch.out"),
+        usage=("Rendered by `verl-hpc sbatch`; `verl-hpc submit` sends exactly this text.",
+               "Plain `sbatch THIS_FILE` works too once the run directory is prepared (docs/slurm.md)."))
+    return _render(cfg, paths, version)
+
+
+def render_template(cfg: RunConfig, version: str = __version__) -> str:
+    """The script of `cfg` as a copyable template: no machine-specific path in it.
+
+    Differences from `render_sbatch`, all in the path variables: the run directory defaults
+    to `$PWD/runs/<job_name>`, the Python to `python3` from the submitting shell's PATH, and
+    the batch log goes to the submission directory (`#SBATCH` lines cannot use variables).
+    """
+    _check_values(cfg)
+    paths = ScriptPaths(
+        run_dir=f"$PWD/runs/{_dq(cfg.slurm.job_name)}", python="python3",
+        log_dir="$VERL_HPC_RUN_DIR/slurm/logs", output="%x-%j.out",
+        usage=("Template: `verl-hpc sbatch CONFIG --template` prints it (docs/slurm.md, Templates). To run it:",
+               "  verl-hpc sbatch CONFIG --run-dir DIR --prepare >/dev/null   # config.yaml, model, prompts, secret",
+               "  VERL_HPC_RUN_DIR=DIR sbatch THIS_FILE"))
+    return _render(cfg, paths, version)
+
+
+def _render(cfg: RunConfig, paths: ScriptPaths, version: str) -> str:
+    plan = plan_for_config(cfg)
+    lines = [*_header(cfg, plan, paths, version), *_job_options(cfg, paths)]
+    for index, group in enumerate(plan.groups):
+        if index:
+            lines.append("#SBATCH hetjob")
+        lines.extend(_component(plan, index, group))
+    lines += ["", *_prologue(cfg, paths), "", *_signal_block(cfg), "", *_step(plan)]
+    return "\n".join(lines) + "\n"
+
+
+def _header(cfg: RunConfig, plan: ProcessPlan, paths: ScriptPaths, version: str) -> list[str]:
+    count = len(plan.groups)
+    shape = f"{count} hetjob components" if count > 1 else "1 component (a plain job, no hetjob)"
+    return [
+        "#!/bin/bash",
+        f"# verl-hpc {version}: job {cfg.slurm.job_name}, {cfg.algorithm.name.upper()} with "
+        f"{cfg.resources.placement} placement, {shape}, {plan.world_size} processes.",
+        *(f"# {line}" for line in paths.usage),
+        "#",
+        "# sbatch reads the #SBATCH lines up to the first command. Job-wide options come first (they",
+        "# belong to the first component); then one block per process group of the run, in plan order,",
+        "# separated by `#SBATCH hetjob`. srun numbers the tasks of all components contiguously in that",
+        "# order, which is how every worker knows its global rank, its group and its roles.",
+    ]
+
+
+def _job_options(cfg: RunConfig, paths: ScriptPaths) -> list[str]:
+    slurm = cfg.slurm
+    return [
+        "#",
+        "# ---- job-wide ----",
+        f"#SBATCH --job-name={slurm.job_name}",
+        f"#SBATCH --time={slurm.time}",
+        "#SBATCH --requeue" if slurm.requeue else "#SBATCH --no-requeue",
+        f"#SBATCH --signal=B:USR1@{slurm.signal_grace_seconds}",
+        "#SBATCH --open-mode=append",
+        f"#SBATCH --output={paths.output}",
+    ]
+
+
+def _component(plan: ProcessPlan, index: int, group: GroupSpec) -> list[str]:
+    res = group.resources
+    start = sum(g.size for g in plan.groups[:index])
+    ranks = f"rank {start}" if group.size == 1 else f"ranks {start}-{start + group.size - 1}"
+    per_node = tasks_per_node(res)
+    lines = [
+        "#",
+        f"# ---- component {index}: group {group.name} (roles: {', '.join(group.roles)}), "
+        f"{_count(res.nodes, 'node')} x {_count(per_node, 'task')} = {ranks} ----",
+        f"#SBATCH --nodes={res.nodes}",
+        f"#SBATCH --ntasks-per-node={per_node}",
+    ]
+    gpus = gpus_per_node(res)
+    if gpus:
+        lines.append(f"#SBATCH --gpus-per-node={gpus}")
+    lines.append(f"#SBATCH --cpus-per-task={res.cpus_per_task}")
+    lines += [f"#SBATCH --{flag}={value}" for flag, value in _optional_flags(res) if value is not None]
+    return lines
+
+
+def _optional_flags(res: RoleResources) -> tuple[tuple[str, str | None], ...]:
+    return (("mem", res.mem), ("partition", res.partition), ("account", res.account), ("qos", res.qos),
+            ("constraint", res.constraint))
+
+
+def _check_values(cfg: RunConfig) -> None:
+    """Every config value that lands in an #SBATCH line, checked before anything is rendered."""
+    _sbatch_value("slurm.job_name", cfg.slurm.job_name)
+    _sbatch_value("slurm.time", cfg.slurm.time)
+    for group in plan_for_config(cfg).groups:
+        role = group.roles[0]
+        for flag, value in _optional_flags(group.resources):
+            if value is not None:
+                _sbatch_value(f"resources.{role}.{flag}", value)
+
+
+def tasks_per_node(res: RoleResources) -> int:
+    """Tasks on each node of a component: `tasks_per_node`, else one per device slot."""
+    return res.tasks_per_node or len(res.device_ids)
+
+
+def gpus_per_node(res: RoleResources) -> int:
+    """GPUs to request per node: none for CPU roles, else `gpus_per_node` or one per task."""
+    if res.device_type != "cuda":
+        return 0
+    return res.gpus_per_node if res.gpus_per_node is not None else tasks_per_node(res)
+
+
+def _prologue(cfg: RunConfig, paths: ScriptPaths) -> list[str]:
+    setup = list(cfg.slurm.setup) or ["# (none)"]
+    return [
+        "set -euo pipefail",
+        "",
+        "# ---- paths: edit here, or set them in the environment of `sbatch` (it exports it to the job) ----",
+        "# The prepared run directory (config.yaml, data/, secrets/), on a file system every node sees:",
+        f'export VERL_HPC_RUN_DIR="${{VERL_HPC_RUN_DIR:-{paths.run_dir}}}"',
+        "# A Python with verl_hpc installed, at this path on every node:",
+        f'VERL_HPC_PYTHON="${{VERL_HPC_PYTHON:-{paths.python}}}"',
+        "# Each worker appends its output to <group>_rank<N>.out here (srun's %j and %t are wrong in a",
+        "# het step); the structured logs and env_*.json debug files go to $VERL_HPC_RUN_DIR/logs.",
+        f'export VERL_HPC_LOG_DIR="{paths.log_dir}"',
+        "",
+        'if [ ! -f "$VERL_HPC_RUN_DIR/config.yaml" ]; then',
+        '  echo "verl-hpc: no $VERL_HPC_RUN_DIR/config.yaml: prepare the run directory first" \\',
+        '       "(verl-hpc sbatch CONFIG --run-dir DIR --prepare)" >&2',
+        "  exit 2",
+        "fi",
+        'mkdir -p "$VERL_HPC_LOG_DIR"',
+        "# Launcher variables inherited from the submitting shell would override Slurm's view of the tasks.",
+        f"unset {_STALE_LAUNCHER_VARS}",
+        "",
+        "# ---- slurm.setup: modules, environments, NCCL_*/GLOO_* variables (docs/slurm.md) ----",
+        *setup,
+        "",
+        'echo "verl-hpc: job ${SLURM_JOB_ID:-none} restart ${SLURM_RESTART_COUNT:-0} on $(hostname) at $(date \'+%F %T\')"',
+    ]
+
+
+def _signal_block(cfg: RunConfig) -> list[str]:
+    grace = cfg.slurm.signal_grace_seconds
+    return [
+        "# ---- signals ----",
+        f"# SIGUSR1 reaches this batch shell only (--signal=B:USR1@{grace}): {grace} s before the time limit",
+        "# (up to 30 s late: Slurm checks limits twice a minute), and at once when a higher-priority",
+        "# job preempts this one. The trap sends it to srun, which relays it to every task of every",
+        "# component: the workers finish the step, save a checkpoint, and rank 0 requeues the job,",
+        "# which resumes from that checkpoint.",
+        "# SIGTERM (scancel, scontrol requeue, the end of a preemption's grace time, the time limit)",
+        "# reaches every task directly from Slurm, then SIGKILL after the cluster's KillWait. A SIGTERM",
+        "# sent to this shell alone (scancel -b) is passed on with `scancel --signal=TERM`: srun turns a",
+        "# SIGTERM of its own into an immediate SIGKILL of every task (measured), which would skip the",
+        "# final checkpoint. Workers may therefore see SIGTERM twice. A signal that arrives before srun",
+        "# has started is only logged: there is no step to pass it to yet.",
+        'step_pid=""',
+        "forward() {",
+        '  echo "verl-hpc: batch shell got SIG$1 at $(date \'+%F %T\'); passing it to the job step" >&2',
+        '  if [ -z "$step_pid" ]; then return 0; fi',
+        '  if [ "$1" = TERM ]; then',
+        '    scancel --signal=TERM "${SLURM_JOB_ID:-}" 2>/dev/null || true',
+        "  else",
+        '    kill -s "$1" "$step_pid" 2>/dev/null || true',
+        "  fi",
+        "}",
+        "trap 'forward USR1' USR1",
+        "trap 'forward TERM' TERM",
+    ]
+
+
+def _step(plan: ProcessPlan) -> list[str]:
+    count = len(plan.groups)
+    if count > 1:
+        comment = f"# One job step over all {count} components: {plan.world_size} tasks, one process group."
+        srun = f"srun --het-group=0-{count - 1} --kill-on-bad-exit=1"
+    else:
+        comment = f"# One job step: {plan.world_size} tasks, one process group."
+        srun = "srun --kill-on-bad-exit=1"
+    return [
+        comment,
+        "# In the background, because bash runs a trap only once the foreground command is done.",
+        f'{srun} "$VERL_HPC_PYTHON" -m {WORKER_MODULE} &',
+        "step_pid=$!",
+        "# `wait` returns early whenever a trapped signal arrives: wait again while the step runs.",
+        'while kill -0 "$step_pid" 2>/dev/null; do',
+        '  wait "$step_pid" || true',
+        "done",
+        "set +e",
+        'wait "$step_pid"  # bash keeps the status of a reaped child: this is the step\'s exit status',
+        "status=$?",
+        'echo "verl-hpc: job step exited with status $status at $(date \'+%F %T\')"',
+        'exit "$status"',
+    ]
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}" if number == 1 else f"{number} {noun}s"
+
+
+def _dq(text: str) -> str:
+    """`text` escaped for the inside of a double-quoted shell word (no expansion happens)."""
+    if "\n" in text or "\r" in text:
+        raise ValueError(f"a path with a line break cannot go into a job script: {text!r}")
+    return re.sub(r'(["\\$`])', r"\\\1", text)
+
+
+def _sbatch_value(field: str, value: str) -> str:
+    """A value for an #SBATCH line: sbatch splits those on whitespace, so none is allowed."""
+    if not _SBATCH_VALUE.match(value):
+        raise ConfigError(field, f"{value!r} cannot go into an #SBATCH line",
+                          "use no spaces, quotes or backslashes")
+    return value

@@ -1,0 +1,117 @@
+"""Submit a run to Slurm as one heterogeneous job: `verl_hpc.submit(...)`, `verl-hpc submit`.
+
+Why a submitit subclass and not a fork: submitit already does the careful parts of
+submission (a job folder per submitter, the script written then moved next to its job
+id, sbatch's answer parsed, errors surfaced). It has no hetjob support (submitit#1741),
+and its script runs a pickled function; ours runs the worker module over every hetjob
+component. Its two hooks — the submission text and the task count — are all we replace.
+We never use submitit's job state: without accounting it stays UNKNOWN (slurm_job.py).
+
+Submission order: validate the config, check that Slurm's tools are here, then prepare
+the run directory (config.yaml, model, prompts, secret; once, on this machine), then
+sbatch. Job files go to `<run_dir>/slurm/`: the submission script as
+`<id>_submission.sh`, the batch shell's log as `<id>_batch.out`, each rank's output in
+`logs/<group>_rank<N>.out`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import sys
+from pathlib import Path
+
+import submitit
+from submitit.core.utils import FailedJobError
+
+from verl_hpc.config import RunConfig, load_config
+from verl_hpc.config.checks import expand_path
+from verl_hpc.config.placement import plan_for_config
+from verl_hpc.launch.sbatch import WORKER_MODULE, render_sbatch
+from verl_hpc.launch.slurm_job import SlurmError, SlurmJob, record_job, slurm_tool
+
+JOB_FOLDER = "slurm"
+SUBMIT_TOOLS = ("sbatch", "scontrol", "srun")
+
+
+class HetjobExecutor(submitit.SlurmExecutor):
+    """submitit's SlurmExecutor whose script is `render_sbatch(cfg, ...)`: one component per group.
+
+    `update_parameters` has no effect here: every #SBATCH option comes from the config
+    (resources.<role> per component, slurm.* job-wide), so a script never mixes sources.
+    """
+
+    def __init__(self, folder: str | Path, cfg: RunConfig, run_dir: Path, python: str = sys.executable):
+        super().__init__(folder=folder, python=python)
+        self.cfg, self.run_dir, self.worker_python = cfg, Path(run_dir), python
+        self.plan = plan_for_config(cfg)
+
+    def _make_submission_file_text(self, command: str, uid: str) -> str:
+        return render_sbatch(self.cfg, self.run_dir, Path(self.folder), self.worker_python)
+
+    def _num_tasks(self) -> int:
+        return self.plan.world_size
+
+    def submit_run(self) -> submitit.SlurmJob:
+        """sbatch the run's script through submitit's own submission path; one-line errors."""
+        captured = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(captured):  # submitit prints sbatch's stderr itself
+                return self._submit_command(WORKER_MODULE)
+        except FailedJobError as err:
+            lines = (str(err) or captured.getvalue()).strip().splitlines()
+            raise SlurmError(f"sbatch refused the job: {lines[-1] if lines else 'no reason given'}") from None
+
+
+def resolve_run_dir(cfg: RunConfig, run_dir: str | Path | None) -> Path:
+    """The absolute run directory: `run_dir`, else `cfg.run_dir`, else `runs/<slurm.job_name>`.
+
+    Why a fixed default (not a timestamp, as `verl-hpc train` uses): `verl-hpc sbatch` must
+    print the same script `submit` sends, and a resubmitted job must find its checkpoints.
+    """
+    chosen = run_dir or cfg.run_dir or Path("runs") / cfg.slurm.job_name
+    return expand_path(str(chosen)).absolute()
+
+
+def as_config(config_or_path: RunConfig | str | Path, overrides: list[str] | None = None) -> RunConfig:
+    """A validated RunConfig from a YAML path or a RunConfig, overrides applied either way."""
+    if isinstance(config_or_path, RunConfig):
+        if not overrides:
+            return config_or_path
+        return load_config(data=config_or_path.model_dump(mode="json", by_alias=True), overrides=overrides)
+    return load_config(config_or_path, overrides)
+
+
+def prepare_submission(cfg: RunConfig, run_dir: Path) -> Path:
+    """Prepare the run directory and its job folder (with logs/); returns the job folder."""
+    from verl_hpc.launch.train import prepare_run  # torch is imported only when really submitting
+
+    path = prepare_run(cfg, run_dir)
+    folder = path / JOB_FOLDER
+    (folder / "logs").mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def submit(config_or_path: RunConfig | str | Path, overrides: list[str] | None = None,
+           run_dir: str | Path | None = None, dry_run: bool = False,
+           python: str | None = None) -> SlurmJob | str:
+    """Submit a run as one Slurm (het)job; with `dry_run`, only return the script.
+
+    `dry_run=True` validates and renders but creates nothing, neither files nor jobs.
+    `python` is the interpreter the workers run (default: this one; it must exist at
+    the same path on the compute nodes).
+    """
+    cfg = as_config(config_or_path, overrides)
+    path = resolve_run_dir(cfg, run_dir)
+    python = python or sys.executable
+    if dry_run:
+        return render_sbatch(cfg, path, path / JOB_FOLDER, python)
+    for tool in SUBMIT_TOOLS:
+        slurm_tool(tool)
+    folder = prepare_submission(cfg, path)
+    submitted = HetjobExecutor(folder, cfg, path, python).submit_run()
+    job = SlurmJob(str(submitted.job_id), folder, path)
+    with contextlib.suppress(OSError):  # a read-only home must not fail a submitted job
+        record_job(job)
+    return job
+
