@@ -545,3 +545,13 @@ def test_garbage_values_fail_as_one_line_config_errors(edits: list[tuple[tuple[s
             assert line.startswith(f"{root}."), line
     else:
         assert isinstance(cfg, RunConfig)
+
+
+def test_comm_env_accepts_only_communication_variables() -> None:
+    from verl_hpc.config.loader import validate_section
+    from verl_hpc.config.resources import ResourceConfig
+
+    ok = validate_section(ResourceConfig, {"comm_env": {"NCCL_SOCKET_IFNAME": "ib0", "NCCL_IB_HCA": "mlx5"}})
+    assert ok.comm_env["NCCL_SOCKET_IFNAME"] == "ib0"
+    with pytest.raises(ConfigError, match="comm_env"):
+        validate_section(ResourceConfig, {"comm_env": {"LD_PRELOAD": "/tmp/evil.so"}})

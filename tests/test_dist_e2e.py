@@ -113,12 +113,18 @@ def test_reward_role_scores_every_rollout_once_in_parallel(tmp_path: Path, tiny_
         proc = run_cli("train", "configs/quickstart_split.yaml", "--run-dir", str(tmp_path / "run"),
                        f"model.path={tiny_model_dir}", "trainer.total_steps=3", "trainer.save_hf_model=false",
                        f"reward.function={tmp_path / 'spy.py'}:score",
-                       "resources.reward={device_type: cpu, device_ids: [3, 4], strategy: data_parallel}")
+                       "resources.reward={device_type: cpu, device_ids: [3, 4], strategy: data_parallel}",
+                       "resources.comm_env={GLOO_SOCKET_IFNAME: lo, NCCL_DEBUG: INFO}")
     finally:
         del os.environ["SPY_FILE"]
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line.split("\t") for line in spy.read_text().splitlines()]
     assert len(lines) == 3 * 128  # every rollout scored exactly once
+    import json
+
+    for env_file in (tmp_path / "run" / "logs").glob("env_*_rank*.json"):  # comm_env reached every worker
+        variables = json.loads(env_file.read_text())["variables"]
+        assert variables["GLOO_SOCKET_IFNAME"] == "lo" and variables["NCCL_DEBUG"] == "INFO"
     assert len({pid for pid, _ in lines}) == 2  # by the two reward processes
     rows = read_jsonl_metrics(tmp_path / "run" / "tensorboard" / "metrics.jsonl")
     for step, row in enumerate(rows):

@@ -127,6 +127,7 @@ DESCRIPTIONS: dict[str, str] = {
     "resources.comm_backend": "torch.distributed backend; `auto` = nccl if actor, critic or ref is on CUDA, "
                               "else gloo",
     "resources.timeout_seconds": "timeout of collective operations between processes, in seconds",
+    "resources.comm_env": "environment for every worker before the process group starts: `NCCL_SOCKET_IFNAME`, `GLOO_SOCKET_IFNAME`, `NCCL_IB_*`, `NCCL_DEBUG`, `TORCH_NCCL_ASYNC_ERROR_HANDLING` (on by default with NCCL)",
     "resources.<role>.device_type": "where the {role} runs: `cuda` or `cpu`",
     "resources.<role>.device_ids": "device indices the {role} uses on a node; one process per id",
     "resources.<role>.strategy": "how the {role} runs its model; valid for {role}: {valid}",

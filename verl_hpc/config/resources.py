@@ -96,6 +96,18 @@ class ResourceConfig(StrictModel):
     placement: Literal["colocated", "split"] = "colocated"
     comm_backend: Literal["auto", "nccl", "gloo"] = "auto"
     timeout_seconds: float = Field(180.0, gt=0.0)
+    # NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME, NCCL_IB_*, NCCL_DEBUG, ...: set in every worker
+    # before the process group starts (and recorded in its env_*.json), locally and under Slurm.
+    comm_env: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("comm_env")
+    @classmethod
+    def _comm_env_names(cls, env: dict[str, str]) -> dict[str, str]:
+        allowed = ("NCCL_", "GLOO_", "TORCH_NCCL_", "TORCH_DISTRIBUTED_", "MASTER_ADDR", "TP_SOCKET_IFNAME")
+        bad = [k for k in env if not k.startswith(allowed)]
+        if bad:
+            raise ValueError(f"{bad} are not communication variables (allowed prefixes: {', '.join(allowed)})")
+        return {k: str(v) for k, v in env.items()}
 
     @model_validator(mode="after")
     def _check_roles(self) -> ResourceConfig:

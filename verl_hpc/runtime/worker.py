@@ -56,6 +56,19 @@ def redirect_output(log_dir: str | None, group: str, env: JobEnvironment) -> Pat
     return path
 
 
+def apply_comm_env(comm_env: dict[str, str], backend: str) -> None:
+    """`resources.comm_env` into this process's environment, before any process group exists.
+
+    NCCL reads its variables once, at communicator creation; setting them here (not in a
+    login shell) makes a config file the single place a cluster's interconnect is described.
+    With NCCL, asynchronous error handling is on unless the config says otherwise, so a dead
+    peer surfaces as an error instead of a hang.
+    """
+    os.environ.update(comm_env)
+    if backend == "nccl":
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+
+
 def main() -> int:
     stop = StopFlag().install()  # kept until exit: a second TERM while shutting down is ignored
     stop.received = _EARLY_SIGNALS[0] if _EARLY_SIGNALS else None
@@ -65,6 +78,7 @@ def main() -> int:
         import torch
 
         torch.set_num_threads(cfg.trainer.torch_threads)
+    apply_comm_env(cfg.resources.comm_env, cfg.resources.resolved_backend())
     env = JobEnvironment.from_env()
     plan = plan_for_config(cfg)
     group, rank_in_group = plan.locate(env.rank)
