@@ -46,30 +46,36 @@ def _workers(launcher: psutil.Process) -> dict[int, psutil.Process]:
     return found
 
 
-def test_killed_worker_is_named_and_nothing_is_left(tmp_path: Path, tiny_model_dir: Path) -> None:
-    run_dir = tmp_path / "run"
+def _running_split_job(run_dir: Path, model: Path, timeout_seconds: int):
+    """A long split run through the CLI, returned once 3 steps are logged: (cli, workers, all processes)."""
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     cli = subprocess.Popen([sys.executable, "-m", "verl_hpc", "train", "configs/quickstart_split.yaml",
-                            "--run-dir", str(run_dir), f"model.path={tiny_model_dir}", "trainer.total_steps=5000",
-                            "resources.timeout_seconds=20"], cwd=REPO, env=env, text=True,
+                            "--run-dir", str(run_dir), f"model.path={model}", "trainer.total_steps=5000",
+                            f"resources.timeout_seconds={timeout_seconds}"], cwd=REPO, env=env, text=True,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     launcher = psutil.Process(cli.pid)
     metrics = run_dir / "tensorboard" / "metrics.jsonl"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
         time.sleep(0.5)
-    workers = _workers(launcher)
+    return cli, _workers(launcher), [launcher, *launcher.children(recursive=True)]
+
+
+def _left_alive(processes: list[psutil.Process]) -> list[psutil.Process]:
+    time.sleep(1)
+    return [p for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_killed_worker_is_named_and_nothing_is_left(tmp_path: Path, tiny_model_dir: Path) -> None:
+    cli, workers, everything = _running_split_job(tmp_path / "run", tiny_model_dir, 20)
     assert sorted(workers) == [0, 1, 2, 3]
-    everything = [launcher, *launcher.children(recursive=True)]
     killed_at = time.monotonic()
     os.kill(workers[2].pid, signal.SIGKILL)
     _, stderr = cli.communicate(timeout=20 + 30)
     assert cli.returncode != 0
     assert time.monotonic() - killed_at < 20 + 15
     assert "rollout rank 2" in stderr and "SIGKILL" in stderr, stderr[-2000:]
-    time.sleep(1)
-    alive = [p for p in everything if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-    assert not alive, alive
+    assert not _left_alive(everything)
 
 
 def test_max_staleness_one_overlaps_generation_with_training(tmp_path: Path, tiny_model_dir: Path) -> None:
@@ -134,24 +140,11 @@ def test_reward_role_scores_every_rollout_once_in_parallel(tmp_path: Path, tiny_
 
 def test_hung_rollout_is_named_within_the_timeout(tmp_path: Path, tiny_model_dir: Path) -> None:
     """A rollout that stops answering (SIGSTOP) is a named failure, never a silent hang."""
-    run_dir = tmp_path / "run"
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-    cli = subprocess.Popen([sys.executable, "-m", "verl_hpc", "train", "configs/quickstart_split.yaml",
-                            "--run-dir", str(run_dir), f"model.path={tiny_model_dir}", "trainer.total_steps=5000",
-                            "resources.timeout_seconds=10"], cwd=REPO, env=env, text=True,
-                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    launcher = psutil.Process(cli.pid)
-    metrics = run_dir / "tensorboard" / "metrics.jsonl"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
-        time.sleep(0.5)
-    workers = _workers(launcher)
-    everything = [launcher, *launcher.children(recursive=True)]
+    cli, workers, everything = _running_split_job(tmp_path / "run", tiny_model_dir, 10)
     stopped_at = time.monotonic()
     os.kill(workers[2].pid, signal.SIGSTOP)
     _, stderr = cli.communicate(timeout=10 + 40)
     assert cli.returncode != 0
     assert time.monotonic() - stopped_at < 10 + 25
     assert "suspect: rollout rank 2" in stderr or "rollout rank(s) [2] did not deliver" in stderr, stderr[-2000:]
-    time.sleep(1)
-    assert not [p for p in everything if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not _left_alive(everything)

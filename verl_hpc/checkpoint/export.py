@@ -28,6 +28,7 @@ from verl_hpc.checkpoint.layout import (
     read_dcp_metadata,
     read_manifest,
 )
+from verl_hpc.utils.fs import replace_dir
 
 SAFETENSORS_DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -128,19 +129,8 @@ def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
                 shutil.copy2(src, staging / src.name)
         write_safetensors(checkpoint, tensors, staging / "model.safetensors")
         os.chmod(staging, 0o755)
-        _replace_dir(staging, out_dir)
+        replace_dir(staging, out_dir)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return out_dir
 
-
-def _replace_dir(staging: Path, out_dir: Path) -> None:
-    """Rename `staging` to `out_dir`; an old `out_dir` is moved aside first and then removed."""
-    if out_dir.exists():
-        previous = out_dir.with_name(f".{out_dir.name}.previous")
-        shutil.rmtree(previous, ignore_errors=True)
-        os.replace(out_dir, previous)
-        os.replace(staging, out_dir)
-        shutil.rmtree(previous, ignore_errors=True)
-    else:
-        os.replace(staging, out_dir)

@@ -6,12 +6,13 @@ killed mid-save must leave either the previous directory or the complete new one
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 from pathlib import Path
 
 import torch
+
+from verl_hpc.utils.fs import replace_dir
 
 
 def save_hf_directory(model: torch.nn.Module, tokenizer, out_dir: str | Path) -> Path:
@@ -23,14 +24,7 @@ def save_hf_directory(model: torch.nn.Module, tokenizer, out_dir: str | Path) ->
         model.save_pretrained(staging, safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(staging)
-        if out.exists():
-            previous = out.with_name(out.name + ".previous")
-            shutil.rmtree(previous, ignore_errors=True)
-            os.replace(out, previous)
-            os.replace(staging, out)
-            shutil.rmtree(previous, ignore_errors=True)
-        else:
-            os.replace(staging, out)
+        replace_dir(staging, out)
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
