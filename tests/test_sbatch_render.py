@@ -109,7 +109,9 @@ def test_job_wide_flags_and_the_step_over_all_components() -> None:
     assert opts["signal"] == "B:USR1@77" and opts["time"] == "01:30:00"
     assert opts["output"] == "/scratch/runs/x/slurm/%j_batch.out" and opts["open-mode"] == "append"
     assert "requeue" in opts and opts["job-name"] == "verl-hpc-local"
-    assert 'srun --het-group=0-2 --kill-on-bad-exit=1 "$VERL_HPC_PYTHON" -m verl_hpc.runtime.worker &' in script
+    step = ('srun --het-group=0-2 --kill-on-bad-exit=1 bash -c \'trap "" USR1 USR2; exec "$@"\' worker '
+            '"$VERL_HPC_PYTHON" -m verl_hpc.runtime.worker &')
+    assert step in script
     assert 'export VERL_HPC_LOG_DIR="/scratch/runs/x/slurm/logs"' in script
     assert "export MASTER_ADDR=127.0.0.1" in script  # slurm.setup, verbatim
     assert "trap 'forward USR1' USR1" in script and "trap 'forward TERM' TERM" in script
@@ -133,7 +135,7 @@ def test_one_group_is_a_plain_job_without_het_group() -> None:
     script = render("slurm_grpo_colocated")
     assert len(components(script)) == 1
     assert "--het-group" not in script  # Slurm refuses it outside a hetjob
-    assert 'srun --kill-on-bad-exit=1 "$VERL_HPC_PYTHON"' in script
+    assert 'srun --kill-on-bad-exit=1 bash -c' in script
 
 
 def test_cuda_roles_ask_for_gpus_per_node() -> None:
@@ -241,12 +243,21 @@ STUB_SRUN = """#!/bin/bash
 while [[ "$1" == --* ]]; do shift; done
 exec "$@"
 """
-# Stands in for the worker: records the signal it gets, then exits 7 (or 0 after 30 s).
-STUB_PYTHON = """#!/bin/bash
-trap 'touch "$VERL_HPC_LOG_DIR/got_usr1"; exit 7' USR1
-trap 'touch "$VERL_HPC_LOG_DIR/got_term"; exit 7' TERM
-echo $$ > "$VERL_HPC_LOG_DIR/pid"
-for i in $(seq 300); do sleep 0.1; done
+# Stands in for the worker: records the signal it gets, then exits 7 (or 0 after 30 s). In Python,
+# like the worker: the task starts with USR1 ignored, which a bash trap could not override.
+STUB_PYTHON = f"""#!{sys.executable}
+import os, signal, sys, time
+logs = os.environ["VERL_HPC_LOG_DIR"]
+def record(name):
+    def handler(signum, frame):
+        open(os.path.join(logs, name), "w").close()
+        sys.exit(7)
+    return handler
+signal.signal(signal.SIGUSR1, record("got_usr1"))
+signal.signal(signal.SIGTERM, record("got_term"))
+with open(os.path.join(logs, "pid"), "w") as f:
+    f.write(str(os.getpid()))
+time.sleep(30)
 """
 # Stands in for Slurm delivering `scancel --signal=TERM JOB` to the step's tasks.
 STUB_SCANCEL = """#!/bin/bash

@@ -140,7 +140,9 @@ def test_cancel_a_running_job(slurm_cluster: SlurmCluster, setting: dict) -> Non
     assert running.returncode == 0 and running.stdout.count("RUNNING") == 3, running.stdout
     cancelled = cli("cancel", str(job))
     assert cancelled.returncode == 0 and f"cancelled job {job}" in cancelled.stdout
-    assert slurm_cluster.wait_for(lambda: finished(slurm_cluster, job), timeout=60)
+    # The workers save a checkpoint on the TERM before they go: allow for a loaded machine.
+    assert slurm_cluster.wait_for(lambda: finished(slurm_cluster, job), timeout=180), \
+        slurm_cluster.job_records(job)
     assert set(slurm_cluster.job_states(job)) == {"CANCELLED"}
 
 

@@ -36,7 +36,7 @@ from verl_hpc.runtime.dist import DistContext
 from verl_hpc.runtime.dist_lifecycle import DistLifecycle
 from verl_hpc.runtime.dist_roles import STOP_PAYLOAD, build_roles
 from verl_hpc.runtime.heartbeat import Heartbeat, StallError, is_timeout
-from verl_hpc.runtime.signals import StopFlag, requeue
+from verl_hpc.runtime.signals import REQUEUE_SIGNALS, StopFlag, requeue
 from verl_hpc.runtime.step_metrics import data_metrics, perf_metrics
 from verl_hpc.runtime.trainer import Timer, seed_everything
 from verl_hpc.utils.logging import get_logger
@@ -59,6 +59,7 @@ class DistributedTrainer(DistLifecycle):
         # The worker installs the flag before anything slow: a USR1 during start-up must not kill it.
         self.stop, self._own_stop = (stop, False) if stop is not None else (StopFlag(), True)
         self.requeued = False  # leader: whether a stop ended in `scontrol requeue`
+        self.wanted_requeue = False  # leader: whether the stop signal asked for one (USR1/USR2)
         self.pending: dict[int, list[RolloutBatch]] = {}  # leader: rollouts filed by step
         self.buffered_steps = 0  # after a resume: steps whose rollouts came from the checkpoint
         self.is_leader = ctx.env.rank == ctx.plan.group_ranks("trainer")[0]
@@ -119,7 +120,8 @@ class DistributedTrainer(DistLifecycle):
             if signum:
                 self.stop_others()
                 if self.is_leader:
-                    self.requeued, message = requeue(ctx.env, cfg.slurm.max_requeues)
+                    self.requeued, message = requeue(ctx.env, cfg.slurm.max_requeues, signum)
+                    self.wanted_requeue = signum in REQUEUE_SIGNALS
                     log.warning("stopped by %s after step %d (checkpoint saved); %s", StopFlag.name(signum),
                                 self.step, message)
                     print(f"verl-hpc: {message}", file=sys.stderr, flush=True)

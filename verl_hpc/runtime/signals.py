@@ -65,10 +65,21 @@ class StopFlag:
 EXIT_STOPPED_UNFINISHED = 3  # under Slurm: stopped with a checkpoint, but not requeued
 
 
-def requeue(env: JobEnvironment, max_requeues: int) -> tuple[bool, str]:
-    """Ask Slurm to requeue this job (leader only): (requeued?, what happened in one line)."""
+REQUEUE_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
+
+
+def requeue(env: JobEnvironment, max_requeues: int, signum: int = signal.SIGUSR1) -> tuple[bool, str]:
+    """Ask Slurm to requeue this job (leader only): (requeued?, what happened in one line).
+
+    Only for USR1/USR2 — the time limit is near, or a preemption notice. A TERM alone is
+    `scancel` (the user wants the job to end), or Slurm's own requeue/preemption, which
+    requeues the job without our help: requeuing on TERM would resurrect cancelled jobs.
+    """
     if env.scheduler != "slurm" or not env.job_id:
         return False, "not under Slurm: not requeuing; run the same command again to resume"
+    if signum not in REQUEUE_SIGNALS:
+        return False, (f"{signal.Signals(signum).name}: cancelled, or requeued by Slurm itself; not requeuing "
+                       "(the checkpoint is saved, a requeued job resumes from it)")
     if env.restart_count >= max_requeues:
         return False, (f"slurm.max_requeues={max_requeues} reached (restart {env.restart_count}): not "
                        "requeuing; the checkpoints are kept, resubmit with the same run dir to continue")

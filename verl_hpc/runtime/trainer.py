@@ -124,7 +124,7 @@ class HybridTrainer:
             logger.close()
         if stop.received is not None:
             log.warning("stopped by %s after step %d (checkpoint saved); %s", StopFlag.name(stop.received),
-                        self.step, requeue(JobEnvironment.from_env(), cfg.slurm.max_requeues)[1])
+                        self.step, requeue(JobEnvironment.from_env(), cfg.slurm.max_requeues, stop.received)[1])
             return TrainResult(self.run_dir, self.step, None, metrics, StopFlag.name(stop.received))
         hf_dir = self.save_hf_model(comps) if cfg.trainer.save_hf_model else None
         log.info("done: %d steps, final score %.4f", self.step, metrics.get("critic/score/mean", float("nan")))

@@ -91,7 +91,7 @@ def main() -> int:
         stopped_by = trainer.train()
         if stopped_by is not None:
             get_logger("worker").info("stopped: %s", stopped_by)
-            if trainer.is_leader and env.scheduler == "slurm" and not trainer.requeued:
+            if trainer.is_leader and env.scheduler == "slurm" and trainer.wanted_requeue and not trainer.requeued:
                 return EXIT_STOPPED_UNFINISHED  # the job must not look COMPLETED
     except Exception as err:  # the launcher shows a log's last lines: make the cause the last one
         traceback.print_exc()
