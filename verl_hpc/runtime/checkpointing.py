@@ -34,15 +34,19 @@ def step_seed(seed: int, step: int, stream: int = 0) -> int:
     return (seed * 1_000_003 + step * 7_919 + stream * 104_729) % (2**63 - 1)
 
 
-def reseed(seed: int, step: int, stream: int = 0) -> None:
+def seed_all(value: int) -> None:
+    """Seed python, numpy and torch (CPU and every GPU) from one value."""
     import random
 
     import numpy as np
 
-    value = step_seed(seed, step, stream)
     random.seed(value)
     np.random.seed(value % 2**32)
     torch.manual_seed(value)
+
+
+def reseed(seed: int, step: int, stream: int = 0) -> None:
+    seed_all(step_seed(seed, step, stream))
 
 
 def build_manager(cfg: RunConfig, run_dir: Path, process_group=None, async_group=None) -> CheckpointManager:

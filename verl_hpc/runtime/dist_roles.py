@@ -9,7 +9,7 @@ that here keeps the step loop free of "if I am ..." branches about construction.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +32,6 @@ from verl_hpc.runtime.components import DTYPES, prompt_files, tokenize_prompts
 from verl_hpc.runtime.dist import DistContext
 from verl_hpc.runtime.step_metrics import prefixed
 
-FLIGHT_ADDRESS_KEY = "flight_location"
 STOP_PAYLOAD = "stop"  # sent instead of a batch: the reward ranks leave their loop
 
 
@@ -52,7 +51,6 @@ class RoleSet:
     flight_server: Any = None
     flight_client: Any = None
     num_generators: int = 0
-    extras: dict[str, Any] = field(default_factory=dict)
 
     def update(self, inputs: dict[str, torch.Tensor], shard: RolloutBatch, plan: UpdatePlan, timer,
                ctx: DistContext) -> dict[str, float]:

@@ -31,14 +31,14 @@ from verl_hpc.metrics import MetricsLogger, Progress, memory_metrics
 from verl_hpc.roles.actor import UpdatePlan
 from verl_hpc.roles.forward import to_device
 from verl_hpc.roles.weight_sync import STOP_VERSION, broadcast_weights, gather_only, stream_into
-from verl_hpc.runtime.checkpointing import reseed
+from verl_hpc.runtime.checkpointing import reseed, seed_all
 from verl_hpc.runtime.dist import DistContext
 from verl_hpc.runtime.dist_lifecycle import DistLifecycle
 from verl_hpc.runtime.dist_roles import STOP_PAYLOAD, build_roles
 from verl_hpc.runtime.heartbeat import Heartbeat, StallError, is_timeout
 from verl_hpc.runtime.signals import REQUEUE_SIGNALS, StopFlag, requeue
 from verl_hpc.runtime.step_metrics import data_metrics, perf_metrics
-from verl_hpc.runtime.trainer import Timer, seed_everything
+from verl_hpc.runtime.trainer import Timer
 from verl_hpc.utils.logging import get_logger
 
 log = get_logger("dist_trainer")
@@ -67,7 +67,7 @@ class DistributedTrainer(DistLifecycle):
     def train(self) -> str | None:
         """Run to the end, or until a stop signal; returns the signal's name if stopped."""
         cfg, ctx = self.cfg, self.ctx
-        seed_everything(cfg.trainer.seed + ctx.env.rank)
+        seed_all(cfg.trainer.seed + ctx.env.rank)
         self.roles = build_roles(cfg, ctx, self.run_dir)
         prompts_per_step = cfg.trainer.batch_size // cfg.algorithm.sampling.n
         self.sampler = PromptSampler(len(self.roles.dataset), prompts_per_step, cfg.trainer.seed, cfg.data.shuffle)

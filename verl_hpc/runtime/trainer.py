@@ -9,13 +9,11 @@ seeds: `HybridTrainer(actor_model=..., reward_model=..., config=...).train()`.
 from __future__ import annotations
 
 import contextlib
-import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from verl_hpc.algo import gae_advantages, grpo_advantages, kl_penalty, token_level_rewards
@@ -25,7 +23,7 @@ from verl_hpc.data.rollout_batch import RolloutBatch
 from verl_hpc.metrics import MetricsLogger, Progress, memory_metrics
 from verl_hpc.roles.actor import UpdatePlan
 from verl_hpc.roles.forward import batched_logprobs, to_device
-from verl_hpc.runtime.checkpointing import RunCheckpointer, build_manager, reseed, resume_path
+from verl_hpc.runtime.checkpointing import RunCheckpointer, build_manager, reseed, resume_path, seed_all
 from verl_hpc.runtime.components import Components, build_components
 from verl_hpc.runtime.env import JobEnvironment
 from verl_hpc.runtime.run_dir import prepare_run_dir
@@ -61,12 +59,6 @@ class Timer:
         self.seconds[f"timing_s/{name}"] = self.seconds.get(f"timing_s/{name}", 0.0) + time.perf_counter() - start
 
 
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-
-
 class HybridTrainer:
     def __init__(self, config: RunConfig | str | Path | dict[str, Any], actor_model: Any = None,
                  reward_model: Any = None, run_dir: str | Path | None = None, overrides: list[str] | None = None):
@@ -87,7 +79,7 @@ class HybridTrainer:
         setup_logging(self.run_dir / "logs", "trainer", 0, cfg.logging.level)
         if cfg.trainer.torch_threads:
             torch.set_num_threads(cfg.trainer.torch_threads)
-        seed_everything(cfg.trainer.seed)
+        seed_all(cfg.trainer.seed)
         (self.run_dir / "config.yaml").write_text(dump_config(cfg))
         comps = build_components(cfg, self.run_dir, self._actor_model, self._reward_model)
         self.components = comps
