@@ -44,3 +44,32 @@ def test_timeout_errors_are_recognised() -> None:
     assert is_timeout(TimeoutError("x"))
     assert is_timeout(RuntimeError("[gloo] Timed out waiting 1000ms for recv operation to complete"))
     assert not is_timeout(RuntimeError("shape mismatch"))
+
+
+def test_a_rank_that_stopped_pulsing_is_the_suspect_even_with_a_newer_phase() -> None:
+    """A frozen rank entered its phase at the same moment as everyone else; its pulse tells."""
+    store, plan = dist.HashStore(), _plan()
+    beats = [Heartbeat(plan, rank, store) for rank in range(3)]
+    beats[0].enter("step 8 wait_rollout")
+    beats[1].enter("step 8 reward")
+    beats[2].enter("step 8 gen")  # the newest phase: phase age alone would name rank 0
+    for beat in beats:
+        beat.pulse()
+    store.set("verl_hpc/pulse/2", repr(time.time() - 10))  # rank 2 froze 10 s ago
+    text = beats[1].describe_stall()
+    assert text.startswith("suspect: rollout rank 2 (frozen in 'step 8 gen': no pulse for 1"), text
+
+
+def test_pulse_thread_refreshes_until_closed() -> None:
+    store, plan = dist.HashStore(), _plan()
+    beat = Heartbeat(plan, 1, store)
+    beat.start(interval=0.02)
+    time.sleep(0.1)
+    first = float(store.get("verl_hpc/pulse/1"))
+    time.sleep(0.1)
+    assert float(store.get("verl_hpc/pulse/1")) > first
+    beat.close()
+    time.sleep(0.1)
+    frozen = float(store.get("verl_hpc/pulse/1"))
+    time.sleep(0.1)
+    assert float(store.get("verl_hpc/pulse/1")) == frozen

@@ -75,6 +75,7 @@ class DistributedTrainer(DistLifecycle):
                                             cfg.logging.tensorboard) \
             if self.split and ctx.is_role("rollout") and ctx.rank_in_group == 0 else None
         self.heartbeat = Heartbeat(ctx.plan, ctx.env.rank, _default_store())
+        self.heartbeat.start()
         self.checkpointer = self.make_checkpointer() if ctx.is_role("actor") else None
         if self._own_stop:
             self.stop.install()
@@ -93,6 +94,7 @@ class DistributedTrainer(DistLifecycle):
                     self.save_hf_model()
             return stopped_by
         finally:
+            self.heartbeat.close()
             if self._own_stop:  # a worker keeps ignoring late signals (a second TERM) until it exits
                 self.stop.restore()
             for sink in (progress, logger, self.rollout_logger):

@@ -1,68 +1,114 @@
-"""Who is stuck where: each rank records its current phase so a timeout can name a suspect.
+"""Who is stuck where: each rank records its phase and a liveness pulse so a timeout can
+name a suspect.
 
 Why: when one process hangs (a stopped node, a deadlocked engine), every other rank
 times out in some collective with the same generic "Timed out waiting 60000ms" error,
-and the first one to fail is rarely the culprit. Each rank writes `(phase, time)` to
-the rendezvous store when it enters a phase; whoever times out first reads everyone's
-entry and names the rank whose entry is oldest — the one that stopped making progress.
+and the first one to fail is rarely the culprit. Two signals tell the culprit apart:
+
+* a *pulse*: a daemon thread on every rank refreshes a timestamp every second. Ranks
+  blocked in a collective keep pulsing (the wait releases the GIL); a frozen process
+  (SIGSTOP, a hung node, a GIL-holding deadlock) stops. The stalest pulse wins.
+* a *phase*: `(phase, time)` written when a rank enters a phase. When every pulse is
+  fresh (a live process stuck in a loop), the rank whose phase is oldest is named.
+
+Phase times alone are not enough: all ranks enter a step's phases within milliseconds,
+so a rank frozen in a short phase is indistinguishable by phase time from its waiters.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import torch.distributed as dist
 
 from verl_hpc.config.placement import ProcessPlan
 
-_KEY = "verl_hpc/phase/{rank}"
+_PHASE_KEY = "verl_hpc/phase/{rank}"
+_PULSE_KEY = "verl_hpc/pulse/{rank}"
+PULSE_SECONDS = 1.0
+STALE_PULSES = 3  # a pulse this many intervals behind the freshest one means a frozen rank
 
 
 class Heartbeat:
     def __init__(self, plan: ProcessPlan, rank: int, store: dist.Store | None):
         self.plan, self.rank, self.store = plan, rank, store
+        self._stopped = threading.Event()
+        self._thread: threading.Thread | None = None
 
     def enter(self, phase: str) -> None:
-        if self.store is None:
+        self._set(_PHASE_KEY, json.dumps([phase, time.time()]))
+
+    def pulse(self) -> None:
+        self._set(_PULSE_KEY, repr(time.time()))
+
+    def _set(self, template: str, value: str) -> None:
+        store = self.store
+        if store is None:
             return
         try:
-            self.store.set(_KEY.format(rank=self.rank), json.dumps([phase, time.time()]))
+            store.set(template.format(rank=self.rank), value)
         except Exception:  # noqa: BLE001 - diagnostics never fail the run
             self.store = None
 
-    def _entries(self) -> dict[int, tuple[str, float]] | None:
+    def start(self, interval: float = PULSE_SECONDS) -> None:
+        """Pulse from a daemon thread until `close` (or the process ends)."""
+        def beat() -> None:
+            while not self._stopped.is_set() and self.store is not None:
+                self.pulse()
+                self._stopped.wait(interval)
+
+        self._thread = threading.Thread(target=beat, name="verl-hpc-heartbeat", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stopped.set()
+
+    def _read(self, template: str) -> dict[int, bytes] | None:
         if self.store is None:
             return None
-        entries = {}
+        found = {}
         try:
             for rank in range(self.plan.world_size):
-                key = _KEY.format(rank=rank)
+                key = template.format(rank=rank)
                 if self.store.check([key]):
-                    phase, stamp = json.loads(self.store.get(key))
-                    entries[rank] = (phase, stamp)
+                    found[rank] = self.store.get(key)
         except Exception:  # noqa: BLE001 - the store lives in rank 0's process
             return None
-        return entries
+        return found
 
     def describe_stall(self) -> str:
-        """One line naming the suspect (oldest phase) and every rank's last phase."""
-        entries = self._entries()
-        if entries is None:
+        """One line naming the suspect and every rank's last phase."""
+        phases, pulses = self._read(_PHASE_KEY), self._read(_PULSE_KEY)
+        if phases is None or pulses is None:
             group = self.plan.locate(0)[0].name
             return f"suspect: {group} rank 0 (the rendezvous store in its process does not answer)"
+        entries = {rank: tuple(json.loads(raw)) for rank, raw in phases.items()}
+        beats = {rank: float(raw) for rank, raw in pulses.items()}
         now = time.time()
-        silent = [r for r in range(self.plan.world_size) if r not in entries]
-        if silent:
-            suspect, why = silent[0], "never reported a phase"
-        else:
-            suspect = min(entries, key=lambda r: entries[r][1])
-            phase, stamp = entries[suspect]
-            why = f"stuck in '{phase}' for {now - stamp:.1f}s"
+        suspect, why = _suspect(self.plan.world_size, entries, beats, now)
         group = self.plan.locate(suspect)[0].name
         where = "; ".join(f"{self.plan.locate(r)[0].name} rank {r}: {p} ({now - t:.1f}s ago)"
                           for r, (p, t) in sorted(entries.items()))
         return f"suspect: {group} rank {suspect} ({why}); last phases: {where}"
+
+
+def _suspect(world_size: int, entries: dict[int, tuple[str, float]], beats: dict[int, float],
+             now: float) -> tuple[int, str]:
+    """Never reported > stopped pulsing > oldest phase, in that order of evidence."""
+    silent = [r for r in range(world_size) if r not in entries]
+    if silent:
+        return silent[0], "never reported a phase"
+    if beats:
+        freshest = max(beats.values())
+        stalest = min(beats, key=lambda r: beats[r])
+        if freshest - beats[stalest] > STALE_PULSES * PULSE_SECONDS:
+            phase = entries[stalest][0]
+            return stalest, f"frozen in '{phase}': no pulse for {now - beats[stalest]:.1f}s"
+    oldest = min(entries, key=lambda r: entries[r][1])
+    phase, stamp = entries[oldest]
+    return oldest, f"stuck in '{phase}' for {now - stamp:.1f}s"
 
 
 def is_timeout(err: BaseException) -> bool:
