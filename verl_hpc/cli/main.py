@@ -13,6 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from verl_hpc import __version__
+from verl_hpc.cli.elastic_cmds import ELASTIC_PARSERS
 from verl_hpc.cli.slurm_cmds import SLURM_PARSERS
 from verl_hpc.config import ConfigError
 
@@ -137,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="verl-hpc", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"verl-hpc {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_train, _add_config, _add_init_model, _add_ckpt, _add_export, *SLURM_PARSERS):
+    for add in (_add_train, _add_config, _add_init_model, _add_ckpt, _add_export, *SLURM_PARSERS, *ELASTIC_PARSERS):
         add(sub)
     return parser
 

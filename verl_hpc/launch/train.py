@@ -13,9 +13,13 @@ from pathlib import Path
 
 from verl_hpc.config import ConfigError, RunConfig, dump_config
 from verl_hpc.config.placement import plan_for_config
+from verl_hpc.runtime import resize
 from verl_hpc.runtime.components import ensure_model, prompt_files
 from verl_hpc.runtime.run_dir import prepare_run_dir
 from verl_hpc.runtime.trainer import HybridTrainer, TrainResult
+from verl_hpc.utils.logging import get_logger
+
+log = get_logger("launch")
 
 
 def needs_launcher(cfg: RunConfig) -> bool:
@@ -65,10 +69,16 @@ def launch_local(cfg: RunConfig, run_dir: str | Path | None) -> TrainResult:
     from verl_hpc.metrics import read_jsonl_metrics
 
     path = prepare_run(cfg, run_dir)
-    plan = plan_for_config(cfg)
-    launcher = LocalLauncher(plan, path, [sys.executable, "-m", "verl_hpc.runtime.worker"],
-                             grace_seconds=min(10.0, cfg.resources.timeout_seconds))
-    code = launcher.run()  # 128+signal when Ctrl-C/SIGTERM stopped it (workers saved first)
+    while True:
+        launcher = LocalLauncher(plan_for_config(cfg), path, [sys.executable, "-m", "verl_hpc.runtime.worker"],
+                                 grace_seconds=min(10.0, cfg.resources.timeout_seconds))
+        code = launcher.run()  # 128+signal when Ctrl-C/SIGTERM stopped it (workers saved first)
+        if code != 0 or resize.accepted(path) is None:
+            break
+        cfg = resize.apply_accepted(path)  # the workers stopped for a resize: restart on the new plan
+        check_local(cfg)
+    if resize.pending(path):
+        log.warning("a resize request in %s was not applied: the run ended first", path / resize.REQUEST_FILE)
     metrics_file = path / "tensorboard" / "metrics.jsonl"
     rows = read_jsonl_metrics(metrics_file) if metrics_file.exists() else []
     hf_dir = path / "hf_model"

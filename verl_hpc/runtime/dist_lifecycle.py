@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from verl_hpc.roles.weight_sync import STOP_VERSION, broadcast_weights, gather_only, stream_into
+from verl_hpc.runtime import resize
 from verl_hpc.runtime.checkpointing import RunCheckpointer, build_manager, resume_path
 from verl_hpc.runtime.dist_roles import STOP_PAYLOAD
 from verl_hpc.utils.logging import get_logger
@@ -90,6 +91,26 @@ class DistLifecycle:
                   extra_files={BUFFER_FILE: data} if data else None)
         if self.is_leader:
             metrics["timing_s/save_checkpoint"] = ckpt.save_seconds
+
+    def resize_agreed(self) -> bool:
+        """Trainer ranks: whether the leader saw a resize request (docs/elastic.md).
+
+        Only the leader reads the run directory (one stat per step); a MAX all-reduce gives
+        every trainer rank its answer. Never after the last step: the run is finishing anyway.
+        """
+        if self.step >= self.cfg.trainer.total_steps:
+            return False
+        flag = torch.tensor([int(self.is_leader and resize.pending(self.run_dir))])
+        if dist.get_world_size(self.ctx.process_group) > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.ctx.process_group)
+        return bool(flag.item())
+
+    def stop_for_resize(self) -> str:
+        """After the step's checkpoint: stop every role, hand the request to the launcher."""
+        self.stop_others()
+        if self.is_leader:  # the checkpoint was saved blocking (requested): it is committed
+            resize.accept(self.run_dir, self.step)
+        return resize.RESIZE_REASON
 
     def stop_others(self) -> None:
         """Best effort: tell the reward and rollout ranks to stop, never waiting long on them."""

@@ -112,13 +112,16 @@ class DistributedTrainer(DistLifecycle):
             if self.stopping:  # a rollout or reward rank was told to stop by the trainer
                 return "stop requested by the trainer"
             signum = self.stop.agreed(ctx.process_group) if ctx.is_role("actor") else None
-            if self.checkpointer is not None and signum:
+            resizing = not signum and ctx.is_role("actor") and self.resize_agreed()
+            if self.checkpointer is not None and (signum or resizing):
                 self.checkpointer.requested = True
             self.maybe_save(metrics)
             if logger is not None and progress is not None:
                 logger.log_scalars(self.step, metrics)
                 progress.update(self.step, {"score": metrics["critic/score/mean"],
                                             "s/step": metrics["timing_s/step"]})
+            if resizing:
+                return self.stop_for_resize()
             if signum:
                 self.stop_others()
                 if self.is_leader:

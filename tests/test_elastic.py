@@ -1,0 +1,105 @@
+"""Elastic resources: a live resize of a local run, and the request/history protocol."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import REPO, run_cli
+from tests.test_dist_e2e import REWARD_SPY
+from verl_hpc.config import ConfigError, dump_config, load_config
+from verl_hpc.runtime import resize
+
+STEPS = 10
+
+
+def _split_run_dir(tmp_path: Path, reward_ids: list[int]) -> Path:
+    """A run directory holding a split config (no training), for the protocol tests."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    cfg = load_config(REPO / "configs/quickstart_split.yaml",
+                      [f"resources.reward={{device_type: cpu, device_ids: {reward_ids}, strategy: data_parallel}}"])
+    (run_dir / "config.yaml").write_text(dump_config(cfg))
+    return run_dir
+
+
+def test_request_is_validated_merged_and_applied_with_history(tmp_path: Path) -> None:
+    from verl_hpc.launch.elastic import RunHandle
+
+    run_dir = _split_run_dir(tmp_path, [3])
+    original = (run_dir / "config.yaml").read_text()
+    with pytest.raises(ConfigError, match="resources.reward.device_idz"):
+        resize.request_resize(run_dir, ["reward.device_idz=[3,4]"])
+    with pytest.raises(ConfigError, match="changes nothing"):
+        resize.request_resize(run_dir, ["reward.device_ids=[3]"])
+    with pytest.raises(ConfigError, match="rollout.device_ids"):  # overlaps the actor's GPUs once on cuda
+        resize.request_resize(run_dir, ["rollout.device_type=cuda", "actor.device_type=cuda",
+                                        "rollout.device_ids=[0]"])
+    assert not resize.pending(run_dir)
+    handle = RunHandle(run_dir)
+    handle.update_resource("reward", device_ids=[3, 5])
+    handle.update_resource("reward", device_ids=[3, 4], strategy="data_parallel")  # merged: the last wins
+    request = yaml.safe_load((run_dir / resize.REQUEST_FILE).read_text())
+    assert request["overrides"] == ["resources.reward.device_ids=[3, 4]", "resources.reward.strategy=data_parallel"]
+    resize.accept(run_dir, 7)
+    assert not resize.pending(run_dir) and resize.accepted(run_dir)["accepted_after_step"] == 7
+    cfg = resize.apply_accepted(run_dir)
+    assert cfg.resources.reward.device_ids == [3, 4]
+    assert load_config(run_dir / "config.yaml").resources.reward.device_ids == [3, 4]
+    assert (run_dir / resize.ORIGINAL_FILE).read_text() == original  # the first config is kept
+    [entry] = handle.history()
+    assert entry["after_step"] == 7 and entry["world_size"] == {"before": 4, "after": 5}
+    assert entry["before"]["reward"]["device_ids"] == [3] and entry["after"]["reward"]["device_ids"] == [3, 4]
+    assert resize.accepted(run_dir) is None
+
+
+def test_one_process_run_refuses_a_live_resize(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text(dump_config(load_config(REPO / "configs/quickstart.yaml")))
+    proc = run_cli("resize", str(run_dir), "rollout.device_ids=[1]")
+    assert proc.returncode == 2 and "one process" in proc.stderr, proc.stderr
+    assert not resize.pending(run_dir)
+
+
+@pytest.mark.slow
+def test_live_resize_of_the_reward_role_scores_every_rollout_once(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """Reward 1 -> 2 workers while training: a checkpointed restart at a step boundary."""
+    from verl_hpc.metrics import read_jsonl_metrics
+
+    (tmp_path / "spy.py").write_text(REWARD_SPY)
+    spy, run_dir = tmp_path / "spy.tsv", tmp_path / "run"
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "SPY_FILE": str(spy)}
+    cli = subprocess.Popen([sys.executable, "-m", "verl_hpc", "train", "configs/quickstart_split.yaml",
+                            "--run-dir", str(run_dir), f"model.path={tiny_model_dir}", f"trainer.total_steps={STEPS}",
+                            "trainer.save_hf_model=false", f"reward.function={tmp_path / 'spy.py'}:score",
+                            "resources.reward={device_type: cpu, device_ids: [3], strategy: data_parallel}"],
+                           cwd=REPO, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    metrics = run_dir / "tensorboard" / "metrics.jsonl"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and (not metrics.exists() or not metrics.read_text().strip()):
+        time.sleep(0.2)
+    resized = run_cli("resize", str(run_dir), "reward.device_ids=[3,4]")
+    assert resized.returncode == 0, resized.stderr
+    _, stderr = cli.communicate(timeout=600)
+    assert cli.returncode == 0, stderr[-3000:]
+
+    rows = read_jsonl_metrics(metrics)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))  # continuous: no gap, no repeat
+    [entry] = resize.history(run_dir)
+    boundary = entry["after_step"]
+    assert 1 <= boundary < STEPS
+    assert load_config(run_dir / "config.yaml").resources.reward.device_ids == [3, 4]
+    lines = [line.split("\t") for line in spy.read_text().splitlines()]
+    assert len(lines) == STEPS * 128  # every rollout scored exactly once, across the restart
+    for step, row in enumerate(rows, start=1):
+        part = lines[(step - 1) * 128:step * 128]
+        assert row["critic/score/mean"] == pytest.approx(sum(float(v) for _, v in part) / 128)
+        assert len({pid for pid, _ in part}) == (1 if step <= boundary else 2)  # the new worker joined
+    assert f"resized after step {boundary}" in stderr

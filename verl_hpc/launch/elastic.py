@@ -1,0 +1,69 @@
+"""Elastic resources from the outside: `update_resource`, `verl-hpc resize`, the Slurm resubmit.
+
+Why these live in `launch`: they act on a run that some launcher started (the local
+launcher, or a Slurm job), by writing the request the trainer reads at its next step
+boundary (runtime/resize.py explains the protocol) and, under Slurm, by submitting the
+resized job. docs/elastic.md says what a resize costs.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from verl_hpc.runtime import resize
+
+
+def resolve_target(target: str | Path) -> Path:
+    """A run directory, or a Slurm job id whose run directory the job registry knows."""
+    if re.fullmatch(r"\s*\d+(\+\d+)?\s*", str(target)) and not Path(str(target)).is_dir():
+        from verl_hpc.config import ConfigError
+        from verl_hpc.launch.slurm_job import SlurmJob
+
+        job = SlurmJob.lookup(str(target))
+        if job.run_dir is None:
+            raise ConfigError("run_dir", f"the run directory of job {job.job_id} is unknown",
+                              "pass the run directory instead of the job id")
+        return job.run_dir
+    return Path(target)
+
+
+def update_resource(run: str | Path, component: str, device_ids: list[int] | None = None,
+                    strategy: str | None = None, **fields: Any) -> Path:
+    """Ask a running run to move `component` (a role) to new resources at its next step boundary.
+
+    `run` is the run directory (or a Slurm job id). Returns the request file. The run
+    checkpoints, stops, and restarts with the new resources; the step counter continues.
+    Example: `update_resource("runs/split", "reward", device_ids=[3, 4], strategy="data_parallel")`.
+    """
+    overrides = resize.overrides_for(component, device_ids=device_ids, strategy=strategy, **fields)
+    return resize.request_resize(resolve_target(run), overrides)
+
+
+class RunHandle:
+    """A handle on a run directory for code that did not start the run (a notebook, a monitor)."""
+
+    def __init__(self, run_dir: str | Path):
+        self.run_dir = resolve_target(run_dir)
+
+    def update_resource(self, component: str, device_ids: list[int] | None = None, strategy: str | None = None,
+                        **fields: Any) -> Path:
+        return update_resource(self.run_dir, component, device_ids, strategy, **fields)
+
+    def history(self) -> list[dict[str, Any]]:
+        """Every resize applied so far (config_history.yaml), oldest first."""
+        return resize.history(self.run_dir)
+
+
+def resubmit(run_dir: Path, python: str | None = None):  # -> SlurmJob
+    """Under Slurm, after the job stopped for a resize: apply it and submit the new job shape.
+
+    Why a new job and not `scontrol requeue`: a requeued job keeps the components, task
+    counts and GRES it was submitted with; Slurm cannot change a hetjob's shape. The new
+    job uses the same run directory, so it resumes from the checkpoint the old one saved.
+    """
+    from verl_hpc.launch.slurm import submit
+
+    cfg = resize.apply_accepted(run_dir)
+    return submit(cfg, run_dir=run_dir, python=python)
