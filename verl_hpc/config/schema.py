@@ -116,6 +116,8 @@ class TrainerConfig(StrictModel):
     critic_optim: OptimConfig = Field(default_factory=OptimConfig)
     save_hf_model: bool = True
     torch_threads: int | None = Field(None, ge=1)
+    oom_retry: bool = True
+    min_micro_batch_size: int = Field(1, ge=1)
 
 
 class CheckpointConfig(StrictModel):

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from verl_hpc.algo import aggregate_loss, kl_penalty, masked_mean, policy_loss
 from verl_hpc.config import AlgorithmConfig
 from verl_hpc.config.schema import OptimConfig
+from verl_hpc.roles.allocator import ResourceAllocator
 from verl_hpc.roles.forward import batched_logprobs, micro_batches, response_logprobs
 from verl_hpc.roles.fsdp import to_float
 
@@ -85,6 +86,7 @@ class Actor:
         self.algo = algo
         self.optim_cfg = optim
         self.optimizer, self.scheduler = build_optimizer(model.parameters(), optim, total_steps)
+        self.allocator = ResourceAllocator()  # the trainer sets device and floor (trainer.min_micro_batch_size)
 
     def compute_logprobs(self, inputs: dict[str, torch.Tensor], micro_batch_size: int) -> torch.Tensor:
         return batched_logprobs(self.model, inputs, self.algo.sampling.temperature, micro_batch_size)
@@ -101,7 +103,9 @@ class Actor:
             for start in range(0, batch_size, plan.mini_batch_size):
                 idx = order[start:start + plan.mini_batch_size]
                 mini = {k: v[idx] for k, v in inputs.items()}
-                stats = self._optimizer_step(mini, plan.micro_batch_size, reuse_forward)
+                # An OOM retry repeats this whole optimizer step at half the micro-batch (allocator.py).
+                stats = self.allocator.run("train", plan.micro_batch_size,
+                                           lambda size, mini=mini: self._optimizer_step(mini, size, reuse_forward))
                 for k, v in stats.items():
                     totals[k] = totals.get(k, 0.0) + v
                 count += 1

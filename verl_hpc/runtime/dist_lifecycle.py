@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from verl_hpc.roles.allocator import ResourceAllocator
 from verl_hpc.roles.weight_sync import STOP_VERSION, broadcast_weights, gather_only, stream_into
 from verl_hpc.runtime import resize
 from verl_hpc.runtime.checkpointing import RunCheckpointer, build_manager, resume_path
@@ -92,13 +93,28 @@ class DistLifecycle:
         if self.is_leader:
             metrics["timing_s/save_checkpoint"] = ckpt.save_seconds
 
+    def make_allocators(self) -> ResourceAllocator:
+        """Generation retries per rank (no collective inside); training retries only on a lone trainer.
+
+        Why not across FSDP ranks: one rank's OOM leaves the others waiting in a collective
+        that rank will never join, so there the error is raised with the numbers instead.
+        """
+        trainer = self.cfg.trainer
+        if self.roles.actor is not None:
+            self.roles.actor.allocator = ResourceAllocator(self.roles.device, trainer.min_micro_batch_size,
+                                                           trainer.oom_retry and self.ctx.group.size == 1)
+        return ResourceAllocator(self.roles.device, trainer.min_micro_batch_size, trainer.oom_retry)
+
     def resize_agreed(self) -> bool:
         """Trainer ranks: whether the leader saw a resize request (docs/elastic.md).
 
         Only the leader reads the run directory (one stat per step); a MAX all-reduce gives
-        every trainer rank its answer. Never after the last step: the run is finishing anyway.
+        every trainer rank its answer. Not near the end: a split rollout that has generated its
+        last batch no longer listens for the stop message (it would wait at the final barrier),
+        so a request that late stays pending and the run simply finishes.
         """
-        if self.step >= self.cfg.trainer.total_steps:
+        last = self.cfg.trainer.total_steps - (self.cfg.algorithm.max_staleness + 2 if self.split else 1)
+        if self.step > last:
             return False
         flag = torch.tensor([int(self.is_leader and resize.pending(self.run_dir))])
         if dist.get_world_size(self.ctx.process_group) > 1:

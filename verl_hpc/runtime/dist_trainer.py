@@ -29,6 +29,7 @@ from verl_hpc.data.prompts import PromptSampler
 from verl_hpc.data.rollout_batch import RolloutBatch
 from verl_hpc.metrics import MetricsLogger, Progress, memory_metrics
 from verl_hpc.roles.actor import UpdatePlan
+from verl_hpc.roles.allocator import generate_guarded
 from verl_hpc.roles.forward import to_device
 from verl_hpc.roles.weight_sync import STOP_VERSION, broadcast_weights, gather_only, stream_into
 from verl_hpc.runtime.checkpointing import reseed, seed_all
@@ -69,6 +70,7 @@ class DistributedTrainer(DistLifecycle):
         cfg, ctx = self.cfg, self.ctx
         seed_all(cfg.trainer.seed + ctx.env.rank)
         self.roles = build_roles(cfg, ctx, self.run_dir)
+        self.allocator = self.make_allocators()
         prompts_per_step = cfg.trainer.batch_size // cfg.algorithm.sampling.n
         self.sampler = PromptSampler(len(self.roles.dataset), prompts_per_step, cfg.trainer.seed, cfg.data.shuffle)
         self.rollout_logger = MetricsLogger(self.run_dir / "tensorboard" / f"rollout_rank{ctx.env.rank}",
@@ -223,7 +225,8 @@ class DistributedTrainer(DistLifecycle):
         start, end = shard_range(len(indices), generators, self.ctx.rank_in_group)
         mine = indices[start:end]
         prompt_ids = [roles.prompt_ids[i] for i in mine for _ in range(n)]
-        out = roles.engine.generate(prompt_ids, self.cfg.algorithm.sampling) if prompt_ids else None
+        out = generate_guarded(roles.engine, prompt_ids, self.cfg.algorithm.sampling, self.allocator) \
+            if prompt_ids else None
         batch = RolloutBatch.from_generation(
             prompt_ids, out.response_ids if out else [], out.logprobs if out else [],
             group_ids=[start + g for g in range(len(mine)) for _ in range(n)],
@@ -321,6 +324,8 @@ class DistributedTrainer(DistLifecycle):
                                         cfg.algorithm.sampling.max_new_tokens))
             metrics.update(perf_metrics(batch.model_inputs(roles.pad_id), 1.0))
             metrics.update(memory_metrics(roles.device))
+            roles.actor.allocator.probe()  # free memory between steps, logged with the degrade events
+            metrics.update(roles.actor.allocator.metrics())
             metrics["actor/policy_version"] = float(self.policy_version + 1)
             metrics["rollout/policy_lag"] = float(self.check_staleness(batch))
         return metrics

@@ -22,6 +22,7 @@ from verl_hpc.data.prompts import PromptSampler
 from verl_hpc.data.rollout_batch import RolloutBatch
 from verl_hpc.metrics import MetricsLogger, Progress, memory_metrics
 from verl_hpc.roles.actor import UpdatePlan
+from verl_hpc.roles.allocator import ResourceAllocator, generate_guarded
 from verl_hpc.roles.forward import batched_logprobs, to_device
 from verl_hpc.runtime.checkpointing import RunCheckpointer, build_manager, reseed, resume_path, seed_all
 from verl_hpc.runtime.components import Components, build_components
@@ -83,6 +84,7 @@ class HybridTrainer:
         (self.run_dir / "config.yaml").write_text(dump_config(cfg))
         comps = build_components(cfg, self.run_dir, self._actor_model, self._reward_model)
         self.components = comps
+        comps.actor.allocator = ResourceAllocator(comps.device, cfg.trainer.min_micro_batch_size, cfg.trainer.oom_retry)
         prompts_per_step = cfg.trainer.batch_size // cfg.algorithm.sampling.n
         self.sampler = PromptSampler(len(comps.dataset), prompts_per_step, cfg.trainer.seed, cfg.data.shuffle)
         self.checkpointer = RunCheckpointer(cfg, self.run_dir, build_manager(cfg, self.run_dir), {"trainer": 1}, True)
@@ -132,6 +134,7 @@ class HybridTrainer:
 
     def train_step(self, comps: Components, logger: MetricsLogger) -> dict[str, float]:
         cfg, timer = self.config, Timer()
+        comps.actor.allocator.probe()
         with timer("step"):
             with timer("gen"):
                 batch = self.generate(comps)
@@ -157,13 +160,14 @@ class HybridTrainer:
             logger.log_text(self.step, "samples", self.samples_text(comps, batch))
         return {**data_metrics(batch.scores(), inputs, cfg.algorithm.sampling.max_new_tokens),
                 **train_metrics, **timer.seconds, **perf_metrics(inputs, timer.seconds["timing_s/step"]),
-                **memory_metrics(comps.device), "actor/policy_version": float(self.policy_version)}
+                **memory_metrics(comps.device), **comps.actor.allocator.metrics(),
+                "actor/policy_version": float(self.policy_version)}
 
     def generate(self, comps: Components) -> RolloutBatch:
         n = self.config.algorithm.sampling.n
         indices = self.sampler.next_indices()
         prompt_ids = [comps.prompt_ids[i] for i in indices for _ in range(n)]
-        out = comps.rollout.generate(prompt_ids, self.config.algorithm.sampling)
+        out = generate_guarded(comps.rollout, prompt_ids, self.config.algorithm.sampling, comps.actor.allocator)
         return RolloutBatch.from_generation(
             prompt_ids, out.response_ids, out.logprobs,
             group_ids=[g for g in range(len(indices)) for _ in range(n)],
