@@ -58,6 +58,10 @@ def test_request_is_validated_merged_and_applied_with_history(tmp_path: Path) ->
     assert entry["after_step"] == 7 and entry["world_size"] == {"before": 4, "after": 5}
     assert entry["before"]["reward"]["device_ids"] == [3] and entry["after"]["reward"]["device_ids"] == [3, 4]
     assert resize.accepted(run_dir) is None
+    status = run_cli("status", str(run_dir))  # a run directory: per-role devices and the history
+    assert status.returncode == 0, status.stderr
+    assert "reward (reward): 2 task(s), cpu device_ids [3, 4], strategy data_parallel" in status.stdout
+    assert "resized after step 7: resources.reward.device_ids=[3, 4]" in status.stdout
 
 
 def test_one_process_run_refuses_a_live_resize(tmp_path: Path) -> None:

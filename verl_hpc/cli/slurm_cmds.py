@@ -66,8 +66,8 @@ def _add_sbatch(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_status(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("status", help="state of each component of a Slurm job, restarts, last step")
-    p.add_argument("job_id")
+    p = sub.add_parser("status", help="a Slurm job's components, restarts, last step and per-role devices")
+    p.add_argument("job_id", help="a Slurm job id, or a run directory (local runs)")
     p.set_defaults(func=_slurm_errors(_cmd_status))
 
 
@@ -121,8 +121,14 @@ def _cmd_sbatch(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from verl_hpc.launch.slurm_job import SlurmJob
+    from verl_hpc.launch.elastic import device_report
+    from verl_hpc.launch.slurm_job import SlurmJob, last_metrics_step
 
+    if Path(args.job_id).is_dir():  # a run directory (a local run): what the directory tells
+        step = last_metrics_step(Path(args.job_id) / "tensorboard" / "metrics.jsonl")
+        print(f"run dir: {args.job_id}   last step: {step if step is not None else 'none yet'}")
+        print("\n".join(device_report(Path(args.job_id))))
+        return 0
     job = SlurmJob.lookup(args.job_id)
     status = job.status()
     print(f"job {job.job_id}   run dir: {job.run_dir or 'unknown'}   job folder: {job.folder}")
@@ -135,6 +141,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
     if job.run_dir is not None:
         step = job.last_step()
         print(f"last step: {step if step is not None else 'none yet'} (from {job.run_dir}/tensorboard/metrics.jsonl)")
+        print("\n".join(device_report(job.run_dir)))
     return 0
 
 

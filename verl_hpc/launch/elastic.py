@@ -8,6 +8,7 @@ resized job. docs/elastic.md says what a resize costs.
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -66,4 +67,53 @@ def resubmit(run_dir: Path, python: str | None = None):  # -> SlurmJob
     from verl_hpc.launch.slurm import submit
 
     cfg = resize.apply_accepted(run_dir)
+    # Run from inside the old job: its SLURM_* variables (restart count, het group sizes) must
+    # not leak into the new job's environment. SLURM_CONF says which cluster; it stays.
+    for name in [n for n in os.environ if n.startswith("SLURM_") and n != "SLURM_CONF"]:
+        del os.environ[name]
     return submit(cfg, run_dir=run_dir, python=python)
+
+
+def device_report(run_dir: Path) -> list[str]:
+    """Per-role device use for `verl-hpc status`: the plan's devices, the last logged memory gauges.
+
+    What it can know from the run directory alone: which devices each process group was
+    given (config.yaml, as resized), trainer rank 0's memory at its last logged step, and
+    any resize still waiting for a step boundary.
+    """
+    from verl_hpc.config import load_config
+    from verl_hpc.config.placement import plan_for_config
+
+    if not (run_dir / "config.yaml").is_file():
+        return []
+    plan = plan_for_config(load_config(run_dir / "config.yaml"))
+    lines = ["devices per role:"]
+    for group in plan.groups:
+        res = group.resources
+        lines.append(f"  {group.name} ({', '.join(group.roles)}): {group.size} task(s), {res.device_type} "
+                     f"device_ids {res.device_ids}, strategy {res.strategy}")
+    last = _last_metrics(run_dir / "tensorboard" / "metrics.jsonl")
+    gauges = {k: v for k, v in last.items() if k.startswith(("memory/", "resource/"))}
+    if gauges:
+        shown = ", ".join(f"{k}={v:.3g}" for k, v in sorted(gauges.items()))
+        lines.append(f"  trainer rank 0 at step {int(last['step'])}: {shown}")
+    if resize.pending(run_dir):
+        lines.append(f"resize pending (applied at the next step boundary): {run_dir / resize.REQUEST_FILE}")
+    for entry in resize.history(run_dir):
+        lines.append(f"resized after step {entry['after_step']}: {', '.join(entry['overrides'])}")
+    return lines
+
+
+def _last_metrics(path: Path) -> dict[str, float]:
+    import json
+
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return {}
+    for line in reversed(lines):
+        try:
+            return json.loads(line)
+        except ValueError:
+            continue
+    return {}

@@ -255,6 +255,11 @@ def _step(plan: ProcessPlan) -> list[str]:
         'wait "$step_pid"  # bash keeps the status of a reaped child: this is the step\'s exit status',
         "status=$?",
         'echo "verl-hpc: job step exited with status $status at $(date \'+%F %T\')"',
+        "# `verl-hpc resize` stopped the run at a step boundary, after a checkpoint: a Slurm job cannot",
+        "# change its shape, so submit the resized job (same run directory; it resumes) and end this one.",
+        'if [ "$status" = 0 ] && [ -f "$VERL_HPC_RUN_DIR/resize_accepted.yaml" ]; then',
+        '  "$VERL_HPC_PYTHON" -m verl_hpc resubmit "$VERL_HPC_RUN_DIR" --python "$VERL_HPC_PYTHON" || status=$?',
+        "fi",
         'exit "$status"',
     ]
 
