@@ -82,7 +82,14 @@ class RoleResources(StrictModel):
         script must agree on that number. `verl-hpc train` refuses `nodes > 1`, so locally
         this is the tasks per node, i.e. one process per device slot unless told otherwise.
         """
-        return self.nodes * (self.tasks_per_node or len(self.device_ids))
+        return self.nodes * (self.tasks_per_node or len(self.device_ids) // self.devices_per_process)
+
+    @property
+    def devices_per_process(self) -> int:
+        """Device slots one process drives: the tensor-parallel size of a vLLM engine, else 1."""
+        if self.strategy == "vllm" and self.vllm_args is not None:
+            return self.vllm_args.tensor_parallel_size
+        return 1
 
 
 class ResourceConfig(StrictModel):
@@ -122,8 +129,23 @@ class ResourceConfig(StrictModel):
             if role.vllm_args is not None and role.strategy != "vllm":
                 raise FieldError(f"{name}.vllm_args", f"only meaningful with strategy: vllm (this role "
                                  f"has strategy: {role.strategy})", "remove vllm_args or set strategy: vllm")
+            self._check_vllm(name, role)
         self._check_overlaps()
         return self
+
+    @staticmethod
+    def _check_vllm(name: str, role: RoleResources) -> None:
+        args = role.vllm_args
+        if args is None:
+            return
+        tp = args.tensor_parallel_size
+        if len(role.device_ids) % tp:
+            raise FieldError(f"{name}.vllm_args.tensor_parallel_size", f"{tp} does not divide the "
+                             f"{len(role.device_ids)} device_ids {role.device_ids}: each engine takes {tp} of them",
+                             f"list a multiple of {tp} device ids, or change tensor_parallel_size")
+        if args.enable_sleep_mode and role.device_type != "cuda":
+            raise FieldError(f"{name}.vllm_args.enable_sleep_mode", "vLLM sleep mode frees GPU memory; "
+                             "there is none to free on CPU", "remove enable_sleep_mode, or use device_type: cuda")
 
     def _check_overlaps(self) -> None:
         """A vLLM role owns its GPUs; only the colocated actor may time-share them."""

@@ -155,14 +155,14 @@ def _check_values(cfg: RunConfig) -> None:
 
 def tasks_per_node(res: RoleResources) -> int:
     """Tasks on each node of a component: `tasks_per_node`, else one per device slot."""
-    return res.tasks_per_node or len(res.device_ids)
+    return res.tasks_per_node or len(res.device_ids) // res.devices_per_process
 
 
 def gpus_per_node(res: RoleResources) -> int:
     """GPUs to request per node: none for CPU roles, else `gpus_per_node` or one per task."""
     if res.device_type != "cuda":
         return 0
-    return res.gpus_per_node if res.gpus_per_node is not None else tasks_per_node(res)
+    return res.gpus_per_node if res.gpus_per_node is not None else tasks_per_node(res) * res.devices_per_process
 
 
 def _prologue(cfg: RunConfig, paths: ScriptPaths) -> list[str]:

@@ -47,6 +47,11 @@ PRESETS: dict[str, ModelPreset] = {
     # Untied variant of tiny: weight sync and export must handle a separate lm_head.
     "tiny-untied": ModelPreset(hidden_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
                                intermediate_size=256, vocab_size=64, tie_word_embeddings=False),
+    # tiny with 32-wide attention heads: vLLM's CPU attention supports head sizes 32..512 only.
+    "tiny-hd32": ModelPreset(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                             intermediate_size=256, vocab_size=64),
+    "tiny-hd32-untied": ModelPreset(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                                    intermediate_size=256, vocab_size=64, tie_word_embeddings=False),
     # ~20M parameters: compute-dominated, for benchmarks.
     "small": ModelPreset(hidden_size=512, num_layers=6, num_heads=8, num_kv_heads=4,
                          intermediate_size=1536, vocab_size=1024, max_position_embeddings=512),

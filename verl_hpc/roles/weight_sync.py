@@ -68,39 +68,82 @@ def broadcast_weights(model: nn.Module, group: dist.ProcessGroup, src: int, vers
                       is_sender: bool, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> tuple[int, int]:
     """Bucketed broadcast from `src` (global rank) to every rank of `group`; returns (version, bytes).
 
-    The sender passes its (possibly FSDP-sharded) actor; receivers pass their engine's
-    model and get its parameters overwritten in place. The other trainer ranks call
-    `gather_only` at the same time, since the FSDP2 gathers are collectives.
+    The sender passes its (possibly FSDP-sharded) actor; receivers pass a model of the
+    same architecture and get its parameters overwritten in place. The other trainer
+    ranks call `gather_only` at the same time, since the FSDP2 gathers are collectives.
     """
     params = list(model.named_parameters())
-    header = torch.tensor([version, len(params), sum(p.numel() for _, p in params)], dtype=torch.int64)
+    device = params[0][1].device  # NCCL moves only GPU tensors; gloo takes either
+    if not is_sender:
+        got, tensors = receive_weights([(n, p.shape) for n, p in params], group, src, bucket_bytes, device)
+        moved = _copy_into(params, tensors)
+        return got, moved
+    header = torch.tensor([version, len(params), sum(p.numel() for _, p in params)], dtype=torch.int64,
+                          device=device)
     if group is not None:
         dist.broadcast(header, src=src, group=group)
-    if int(header[0]) == STOP_VERSION:
+    if version == STOP_VERSION:
         return STOP_VERSION, 0
-    if int(header[1]) != len(params) or int(header[2]) != sum(p.numel() for _, p in params):
-        raise WeightSyncError(f"actor and rollout models differ: sender has {int(header[1])} tensors / "
-                              f"{int(header[2])} elements, receiver {len(params)} / "
-                              f"{sum(p.numel() for _, p in params)}")
     sizes = [(n, p.numel() * 4) for n, p in params]
     sent = 0
-    gathered = iter_full_params(model) if is_sender else None
+    gathered = iter_full_params(model)
     for bucket in _buckets(sizes, bucket_bytes):
-        tensors = [next(gathered)[1].float().reshape(-1) for _ in bucket] if gathered is not None else None
-        flat = torch.cat(tensors) if tensors is not None else \
-            torch.empty(sum(params[i][1].numel() for i in bucket), dtype=torch.float32)
+        flat = torch.cat([next(gathered)[1].float().reshape(-1) for _ in bucket])
         if group is not None:
             dist.broadcast(flat, src=src, group=group)
-        if not is_sender:
-            _unpack(flat, [params[i][1] for i in bucket])
         sent += flat.numel() * flat.element_size()
-    return int(header[0]), sent
+    return version, sent
+
+
+def receive_weights(specs: list[tuple[str, torch.Size]], group: dist.ProcessGroup, src: int,
+                    bucket_bytes: int = DEFAULT_BUCKET_BYTES, device: torch.device | str = "cpu",
+                    ) -> tuple[int, Iterator[tuple[str, torch.Tensor]]]:
+    """Receiver side of `broadcast_weights`: the version, then (name, tensor) as buckets land.
+
+    The iterator must be consumed to the end (each bucket is a collective); an engine's
+    `load_weights` does exactly that. A STOP header yields no tensors.
+    """
+    header = torch.empty(3, dtype=torch.int64, device=device)
+    dist.broadcast(header, src=src, group=group)
+    version = int(header[0])
+    if version == STOP_VERSION:
+        return STOP_VERSION, iter(())
+    elements = sum(shape.numel() for _, shape in specs)
+    if int(header[1]) != len(specs) or int(header[2]) != elements:
+        raise WeightSyncError(f"actor and rollout models differ: sender has {int(header[1])} tensors / "
+                              f"{int(header[2])} elements, receiver {len(specs)} / {elements}")
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        for bucket in _buckets([(n, shape.numel() * 4) for n, shape in specs], bucket_bytes):
+            flat = torch.empty(sum(specs[i][1].numel() for i in bucket), dtype=torch.float32, device=device)
+            dist.broadcast(flat, src=src, group=group)
+            offset = 0
+            for i in bucket:
+                name, shape = specs[i]
+                yield name, flat[offset:offset + shape.numel()].view(shape)
+                offset += shape.numel()
+
+    return version, tensors()
+
+
+def push_weights(named_tensors: Iterator[tuple[str, torch.Tensor]], engine, version: int) -> int:
+    """Feed (name, tensor) pairs into a rollout engine's `load_weights`; returns the bytes moved."""
+    moved = 0
+
+    def counted() -> Iterator[tuple[str, torch.Tensor]]:
+        nonlocal moved
+        for name, tensor in named_tensors:
+            moved += tensor.numel() * tensor.element_size()
+            yield name, tensor
+
+    engine.load_weights(counted(), version)
+    return moved
 
 
 @torch.no_grad()
-def _unpack(flat: torch.Tensor, targets: list[torch.Tensor]) -> None:
-    offset = 0
-    for param in targets:
-        n = param.numel()
-        param.copy_(flat[offset:offset + n].view_as(param).to(param.device, param.dtype))
-        offset += n
+def _copy_into(params: list[tuple[str, nn.Parameter]], tensors: Iterator[tuple[str, torch.Tensor]]) -> int:
+    moved = 0
+    for (_, param), (_, tensor) in zip(params, tensors, strict=True):
+        param.copy_(tensor.to(param.device, param.dtype))
+        moved += tensor.numel() * tensor.element_size()
+    return moved

@@ -22,7 +22,7 @@ from verl_hpc.data.tasks import write_task_prompts
 from verl_hpc.roles.actor import Actor
 from verl_hpc.roles.critic import Critic, ValueModel
 from verl_hpc.roles.reward import ModelReward, RuleReward
-from verl_hpc.roles.rollout import HFRolloutEngine
+from verl_hpc.roles.rollout import RolloutEngine, build_engine
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -34,7 +34,7 @@ class Components:
     dataset: PromptDataset
     prompt_ids: list[list[int]]
     actor: Actor
-    rollout: HFRolloutEngine
+    rollout: RolloutEngine
     reward: Any
     ref_model: torch.nn.Module | None
     critic: Critic | None
@@ -119,6 +119,8 @@ def build_components(cfg: RunConfig, run_dir: Path, actor_model: Any = None,
         critic_model = ValueModel.from_pretrained(critic_dir, dtype).to(device)
         critic = Critic(critic_model, algo, trainer.critic_optim, trainer.total_steps)
     return Components(tokenizer=tokenizer, device=device, dataset=dataset, prompt_ids=prompt_ids, actor=actor,
-                      rollout=HFRolloutEngine(model, tokenizer, device),
+                      rollout=build_engine(cfg.resources.rollout, str(model_dir), tokenizer, device, colocated=True,
+                                           timeout=cfg.resources.timeout_seconds, hf_model=model,
+                                           log_file=run_dir / "logs" / "vllm_engine_rank0.log", launched=False),
                       reward=build_reward(cfg, tokenizer, reward_model, device),
                       ref_model=ref_model, critic=critic)

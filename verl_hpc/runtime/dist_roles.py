@@ -26,7 +26,7 @@ from verl_hpc.roles.critic import Critic, ValueModel
 from verl_hpc.roles.forward import batched_logprobs
 from verl_hpc.roles.fsdp import shard_model
 from verl_hpc.roles.reward import ModelReward, RuleReward
-from verl_hpc.roles.rollout import HFRolloutEngine
+from verl_hpc.roles.rollout import HFRolloutEngine, RolloutEngine, build_engine
 from verl_hpc.roles.weight_sync import stream_into
 from verl_hpc.runtime.components import DTYPES, prompt_files, tokenize_prompts
 from verl_hpc.runtime.dist import DistContext
@@ -45,7 +45,7 @@ class RoleSet:
     actor: Actor | None = None
     ref_model: torch.nn.Module | None = None
     critic: Critic | None = None
-    engine: HFRolloutEngine | None = None
+    engine: RolloutEngine | None = None
     rule_reward: RuleReward | None = None
     scorer: ModelReward | RuleReward | None = None  # what scores batches on this rank (reward group)
     flight_server: Any = None
@@ -117,7 +117,7 @@ class RoleSet:
 
         Every trainer rank must call it (the gathers are collectives); others get None.
         """
-        if self.engine is not None:  # colocated: every engine already holds the synced weights
+        if isinstance(self.engine, HFRolloutEngine):  # colocated: every engine already holds the synced weights
             return self.engine.model if is_leader else None
         target = _load_causal_lm(model_dir, dtype) if is_leader else None
         if target is not None:
@@ -129,6 +129,8 @@ class RoleSet:
         return target
 
     def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
         if self.flight_client is not None:
             self.flight_client.close()
         if self.flight_server is not None:
@@ -160,10 +162,9 @@ def build_roles(cfg: RunConfig, ctx: DistContext, run_dir: Path) -> RoleSet:
     roles = RoleSet(tokenizer=tokenizer, device=device, dataset=dataset, pad_id=tokenizer.pad_token_id,
                     prompt_ids=tokenize_prompts(tokenizer, dataset.prompts, cfg.data.max_prompt_length))
     if ctx.is_role("actor"):
-        _build_trainer(cfg, ctx, roles, model_dir)
-    if ctx.is_role("rollout"):
-        engine_model = _load_causal_lm(model_dir, DTYPES[cfg.model.dtype]).to(device)
-        roles.engine = HFRolloutEngine(engine_model, tokenizer, device)
+        _build_trainer(cfg, ctx, roles, model_dir, run_dir)
+    if ctx.is_role("rollout") and roles.engine is None:  # split: the rollout group's own engine
+        roles.engine = _build_engine(cfg, ctx, roles, model_dir, run_dir, colocated=False)
     has_reward_group = any(g.name == "reward" for g in ctx.plan.groups)
     if has_reward_group and ctx.group.name == "reward" or cfg.reward.model_path is not None and ctx.is_role("reward") and ctx.rank_in_group == 0:
         roles.scorer = _build_scorer(cfg, tokenizer, device)
@@ -186,7 +187,7 @@ def _device_for(ctx: DistContext) -> torch.device:
     return pin_to_device(res.device_type, None, 0) if res.device_type == "cuda" else torch.device("cpu")
 
 
-def _build_trainer(cfg: RunConfig, ctx: DistContext, roles: RoleSet, model_dir: str) -> None:
+def _build_trainer(cfg: RunConfig, ctx: DistContext, roles: RoleSet, model_dir: str, run_dir: Path) -> None:
     algo, trainer, dtype = cfg.algorithm, cfg.trainer, DTYPES[cfg.model.dtype]
     sharded = ctx.group.size > 1 and ctx.group.resources.strategy == "fsdp"
     model = _load_causal_lm(model_dir, dtype).to(roles.device)
@@ -208,8 +209,17 @@ def _build_trainer(cfg: RunConfig, ctx: DistContext, roles: RoleSet, model_dir: 
     if sharded and ctx.group.size > 1 and "rollout" not in ctx.group.roles:
         return
     if "rollout" in ctx.group.roles:  # colocated engine: its own unsharded copy, refreshed per step
-        engine_model = _load_causal_lm(model_dir, dtype).to(roles.device)
-        roles.engine = HFRolloutEngine(engine_model, roles.tokenizer, roles.device)
+        roles.engine = _build_engine(cfg, ctx, roles, model_dir, run_dir, colocated=True)
+
+
+def _build_engine(cfg: RunConfig, ctx: DistContext, roles: RoleSet, model_dir: str, run_dir: Path,
+                  colocated: bool) -> RolloutEngine:
+    resources = cfg.resources.rollout
+    hf_model = None if resources.strategy == "vllm" else \
+        _load_causal_lm(model_dir, DTYPES[cfg.model.dtype]).to(roles.device)
+    return build_engine(resources, model_dir, roles.tokenizer, roles.device, colocated=colocated,
+                        timeout=cfg.resources.timeout_seconds, hf_model=hf_model,
+                        log_file=run_dir / "logs" / f"vllm_engine_rank{ctx.env.rank}.log")
 
 
 def _connect_rollouts(cfg: RunConfig, ctx: DistContext, roles: RoleSet, run_dir: Path) -> None:

@@ -48,3 +48,9 @@ def perf_metrics(inputs: dict[str, torch.Tensor], step_seconds: float) -> dict[s
 
 def prefixed(prefix: str, values: dict[str, float]) -> dict[str, float]:
     return {f"{prefix}/{k}": v for k, v in values.items()}
+
+
+def sync_metrics(moved: int, seconds: float) -> dict[str, float]:
+    """Bytes and throughput of one weight update (0 GB/s when nothing moved)."""
+    return {"perf/weight_sync_bytes": float(moved),
+            "perf/weight_sync_gbps": moved / seconds / 1e9 if moved and seconds > 0 else 0.0}

@@ -35,9 +35,17 @@ class RolloutEngine(Protocol):
         """Replace the engine's weights in place and record the policy version."""
         ...
 
+    def weight_specs(self) -> list[tuple[str, torch.Size]]:
+        """(name, shape) of each tensor `load_weights` expects, in the actor's parameter order."""
+        ...
+
     def sleep(self) -> None:
         """Release memory not needed while the trainer runs (KV cache, weights)."""
         ...
 
     def wake_up(self) -> None:
+        ...
+
+    def close(self) -> None:
+        """Release the engine for good (a child process, its sockets)."""
         ...

@@ -63,6 +63,12 @@ class HFRolloutEngine:
                 params[name].copy_(tensor)
         self.policy_version = version
 
+    def weight_specs(self) -> list[tuple[str, torch.Size]]:
+        return [(name, p.shape) for name, p in self.model.named_parameters()]
+
+    def close(self) -> None:
+        pass
+
     def sleep(self) -> None:  # nothing to release: HF generate keeps no cache between calls
         pass
 
