@@ -2,7 +2,9 @@
 
 Why a tiny runner of our own: each benchmark is a module with `run(quick) -> dict` and
 `table(result) -> str`; results land in bench/results/<name>.json (<name>-quick.json for
---quick) so runs on different machines can be compared file to file.
+--quick) so runs on different machines can be compared file to file. `all` runs every
+benchmark in turn (CI runs `python -m bench all --quick` as a smoke test). Every result
+carries `ratios`: {name: {median, min, max}} — the numbers the docs quote.
 """
 
 from __future__ import annotations
@@ -10,31 +12,47 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import platform
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
-BENCHMARKS = {"checkpoint": "bench.checkpoint"}
+BENCHMARKS = {"checkpoint": "bench.checkpoint", "transport": "bench.transport",
+              "weight_sync": "bench.weight_sync", "step": "bench.step", "rollout": "bench.rollout"}
 RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def run_one(name: str, quick: bool, scratch: str | None, results: Path = RESULTS) -> Path:
+    """Run benchmark `name`, print its table, write its JSON; returns the JSON's path."""
+    module = importlib.import_module(BENCHMARKS[name])
+    start = time.perf_counter()
+    result = module.run(quick=quick, scratch=scratch)
+    result["benchmark"] = name
+    result["wall_s"] = time.perf_counter() - start
+    result["machine"] = {"host": platform.node(), "python": platform.python_version(),
+                         "platform": platform.platform(), "cpus": os.cpu_count(),
+                         "load_avg_1_5_15": list(os.getloadavg()),  # shared machines: say how busy
+                         "when": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    print(module.table(result), flush=True)
+    results.mkdir(parents=True, exist_ok=True)
+    out = results / f"{name}{'-quick' if quick else ''}.json"
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    load = ", ".join(f"{x:.1f}" for x in result["machine"]["load_avg_1_5_15"])
+    print(f"results: {out} ({result['wall_s']:.0f} s; load average {load} on {os.cpu_count()} CPUs)\n", flush=True)
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
-    parser.add_argument("name", choices=sorted(BENCHMARKS))
+    parser.add_argument("name", choices=[*sorted(BENCHMARKS), "all"])
     parser.add_argument("--quick", action="store_true", help="fewer repetitions, smaller inputs")
     parser.add_argument("--dir", help="scratch directory for files the benchmark writes (default: tmp)")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="where the JSON results go (default: %(default)s)")
     args = parser.parse_args(argv)
-    module = importlib.import_module(BENCHMARKS[args.name])
-    result = module.run(quick=args.quick, scratch=args.dir)
-    result["machine"] = {"host": platform.node(), "python": platform.python_version(),
-                         "platform": platform.platform(), "when": time.strftime("%Y-%m-%dT%H:%M:%S")}
-    print(module.table(result))
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / f"{args.name}{'-quick' if args.quick else ''}.json"
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"results: {out}")
+    for name in BENCHMARKS if args.name == "all" else [args.name]:
+        run_one(name, args.quick, args.dir, args.out)
     return 0
 
 

@@ -298,3 +298,18 @@ def test_secret_with_loose_mode_is_refused(tmp_path: Path) -> None:
 def test_missing_secret_explains_itself(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="create_run_secret"):
         read_run_secret(tmp_path)
+
+
+def test_a_batch_cut_into_chunks_arrives_whole_and_equal(server: RolloutFlightServer,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Large puts travel as several record batches (bench/transport.py); the trainer gets one, unchanged."""
+    from verl_hpc.data.transport import flight as flight_module
+
+    monkeypatch.setattr(flight_module, "PUT_CHUNK_BYTES", 256)
+    sent = make_batch(7, rows=40)
+    assert len(flight_module._chunks(sent.record_batch, 256)) > 1
+    with client_for(server) as client:
+        client.put(sent)
+    got = server.get(timeout=10)
+    assert got.record_batch.equals(sent.record_batch)
+    assert server.stats()["received"] == 1

@@ -1,0 +1,237 @@
+"""RL step throughput: verl-hpc's embedded GRPO step vs the raw floor vs TRL's GRPOTrainer.
+
+Same model, prompts (the arithmetic task), group size, response length, batch and
+optimizer (AdamW, lr 1e-3, betas 0.9/0.999, no weight decay, grad clip 1.0, no KL/ref
+model) for all three, CPU, a fixed number of steps:
+
+- verl-hpc: `HybridTrainer.train()` on a config like configs/quickstart.yaml; each
+  `train_step` (generate, reward, advantages, PPO loss, backward, AdamW) is timed.
+- floor: what any GRPO step must at least do — one plain HF `generate` of the same
+  number of completions and one forward+backward+AdamW over the same tokens (a
+  REINFORCE-style loss, no clipping statistics, no metrics).
+- TRL: bench/trl_grpo.py in bench/.venv-trl (see bench/trl_env.sh), a separate process
+  that idles between its blocks. Skipped, with the reason in the result, if absent.
+
+The three alternate in blocks of `block` steps inside one run (a wrapper around the
+trainer's `train_step` runs the floor's and TRL's blocks between the project's), so a
+drift in machine load hits all of them alike. Reported: s/step of each, and the ratios
+verl-hpc / floor (target <= 1.1) and TRL / verl-hpc throughput (target >= 1.3).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from verl_hpc.data.tasks.arithmetic import make_examples
+
+HERE = Path(__file__).resolve().parent
+TRL_PYTHON = HERE / ".venv-trl" / "bin" / "python"
+FLOOR_TARGET, TRL_TARGET = 1.1, 1.3
+PROMPTS, N, NEW_TOKENS, LR, THREADS = 16, 8, 16, 1e-3, 2
+
+
+def _config(preset: str, model_dir: Path, total_steps: int) -> dict[str, Any]:
+    return {
+        "model": {"path": str(model_dir), "init_preset": preset, "init_seed": 0},
+        "data": {"task": {"name": "arithmetic", "num_prompts": 512, "max_operand": 4, "seed": 0}},
+        "reward": {"function": "verl_hpc.data.tasks.arithmetic:score"},
+        "algorithm": {"name": "grpo", "sampling": {"n": N, "temperature": 1.0, "max_new_tokens": NEW_TOKENS},
+                      "kl": {"coef": 0.0}},
+        "trainer": {"total_steps": total_steps, "batch_size": PROMPTS * N, "seed": 0, "save_hf_model": False,
+                    "torch_threads": THREADS, "actor_optim": {"lr": LR, "grad_clip": 1.0}},
+        "checkpoint": {"interval_steps": 10**6},
+        "logging": {"tensorboard": False, "progress": "off", "sample_every": 10**6, "num_samples": 0,
+                    "log_every": 10**6},
+    }
+
+
+class Floor:
+    """The raw floor: plain generate + one forward/backward/AdamW over the same tokens."""
+
+    def __init__(self, model_dir: Path, prompts: list[str]) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.tok = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        self.optim = torch.optim.AdamW(self.model.parameters(), lr=LR, weight_decay=0.0)
+        self.prompts, self.cursor = prompts, 0
+        self.phases: list[dict[str, float]] = []  # per step: gen and total seconds
+
+    def step(self) -> float:
+        batch = [self.prompts[(self.cursor + i) % len(self.prompts)] for i in range(PROMPTS) for _ in range(N)]
+        self.cursor += PROMPTS
+        start = time.perf_counter()
+        enc = self.tok(batch, return_tensors="pt", padding=True, add_special_tokens=False)
+        with torch.no_grad():
+            seqs = self.model.generate(**enc, do_sample=True, max_new_tokens=NEW_TOKENS,
+                                       pad_token_id=self.tok.pad_token_id, eos_token_id=self.tok.eos_token_id)
+        self.phases.append({"gen": time.perf_counter() - start})
+        width = enc["input_ids"].shape[1]
+        mask = torch.cat([enc["attention_mask"], (seqs[:, width:] != self.tok.pad_token_id).long()], dim=1)
+        logits = self.model(input_ids=seqs, attention_mask=mask, logits_to_keep=seqs.shape[1] - width + 1).logits
+        logp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, seqs[:, width:, None]).squeeze(-1)
+        adv = torch.randn(seqs.shape[0], 1)
+        loss = -(logp * adv * mask[:, width:]).sum() / mask[:, width:].sum().clamp(min=1)
+        loss.backward()
+        self.optim.step()
+        self.optim.zero_grad(set_to_none=True)
+        self.phases[-1]["step"] = time.perf_counter() - start
+        return self.phases[-1]["step"]
+
+
+class TRLProcess:
+    """bench/trl_grpo.py in the TRL venv, run block by block."""
+
+    def __init__(self, model_dir: Path, prompts: list[str], answers: list[str], max_steps: int, out: Path) -> None:
+        settings = {"model_dir": str(model_dir), "prompts": prompts, "answers": answers, "batch_size": PROMPTS * N,
+                    "n": N, "max_new_tokens": NEW_TOKENS, "lr": LR, "max_steps": max_steps, "seed": 0,
+                    "threads": THREADS, "output_dir": str(out)}
+        env = {**os.environ, "PYTHONPATH": "", "TOKENIZERS_PARALLELISM": "false"}
+        (out / "settings.json").write_text(json.dumps(settings))
+        self.proc = subprocess.Popen([str(TRL_PYTHON), str(HERE / "trl_grpo.py"), str(out / "settings.json")],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=out)
+        self._expect("ready")
+
+    def _expect(self, word: str) -> str:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith(word) or (word == "{" and line.startswith("{")):
+                return line
+        raise RuntimeError(f"TRL process ended (exit {self.proc.wait()}) before printing {word!r}")
+
+    def block(self, steps: int) -> list[float]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(f"go {steps}\n")
+        self.proc.stdin.flush()
+        return json.loads(self._expect("{"))["step_s"]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+def trl_unavailable() -> str | None:
+    """Why TRL cannot be measured here, or None."""
+    if not TRL_PYTHON.exists():
+        return f"{TRL_PYTHON} missing: run `bash bench/trl_env.sh` (TRL is not a project dependency)"
+    return None
+
+
+def measure(preset: str, reps: int, block: int, with_trl: bool, work: Path) -> dict[str, Any]:
+    """One interleaved run for one model size; warm-up blocks of each method are dropped."""
+    from verl_hpc.runtime.trainer import HybridTrainer
+
+    model_dir = Path.home() / ".cache" / "verl-hpc" / "models" / f"{preset}-seed0"
+    total = block * (reps + 1)
+    trainer = HybridTrainer(_config(preset, model_dir, total), run_dir=work / f"run-{preset}")
+    examples = make_examples(512, 4, 0)
+    prompts, answers = [e["prompt"] for e in examples], [e["ground_truth"] for e in examples]
+    from verl_hpc.models.tiny import init_model
+
+    init_model(model_dir, preset=preset, seed=0)
+    floor = Floor(model_dir, prompts)
+    trl_reason = trl_unavailable() if with_trl else "not run in --quick mode"
+    (work / f"trl-{preset}").mkdir(exist_ok=True)
+    trl = TRLProcess(model_dir, prompts, answers, total, work / f"trl-{preset}") if trl_reason is None else None
+    times: dict[str, list[list[float]]] = {"verl_hpc": [], "floor": [], "trl": []}
+    current: list[float] = []
+    verl_phases: list[dict[str, float]] = []
+    inner = trainer.train_step
+
+    def timed_step(*args: Any, **kwargs: Any) -> dict[str, float]:
+        start = time.perf_counter()
+        out = inner(*args, **kwargs)
+        current.append(time.perf_counter() - start)
+        verl_phases.append({k.removeprefix("timing_s/"): v for k, v in out.items() if k.startswith("timing_s/")})
+        if len(current) == block:  # a project block ended: run the others' blocks now
+            times["verl_hpc"].append(current.copy())
+            current.clear()
+            times["floor"].append([floor.step() for _ in range(block)])
+            if trl is not None:
+                times["trl"].append(trl.block(block))
+        return out
+
+    trainer.train_step = timed_step  # type: ignore[method-assign]
+    try:
+        trainer.train()
+    finally:
+        if trl is not None:
+            trl.close()
+    result = _summarise(preset, sum(p.numel() for p in floor.model.parameters()), times, trl_reason)
+    result["phases_s"] = {"verl_hpc": _phase_medians(verl_phases[block:]), "floor": _phase_medians(floor.phases[block:])}
+    return result
+
+
+def _phase_medians(rows: list[dict[str, float]]) -> dict[str, float]:
+    """Median seconds per phase (the trainer's own timers; the floor's gen and step)."""
+    keys = sorted({k for r in rows for k in r})
+    return {k: statistics.median([r.get(k, 0.0) for r in rows]) for k in keys}
+
+
+def _summary(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def _summarise(preset: str, params: int, times: dict[str, list[list[float]]], trl_reason: str | None) -> dict:
+    """Per-block medians (block 0 dropped as warm-up), then ratios of paired blocks."""
+    per_block = {k: [statistics.median(b) for b in v[1:]] for k, v in times.items() if v}
+    out: dict[str, Any] = {"preset": preset, "params": params, "trl_skipped": trl_reason,
+                           "step_s": {k: _summary(v) for k, v in per_block.items()}, "raw": times}
+    ratios = {"verl_hpc_vs_floor": [v / f for v, f in zip(per_block["verl_hpc"], per_block["floor"], strict=True)]}
+    if "trl" in per_block:
+        ratios["throughput_verl_hpc_vs_trl"] = [t / v for v, t in zip(per_block["verl_hpc"], per_block["trl"],
+                                                                      strict=True)]
+        ratios["trl_vs_floor"] = [t / f for t, f in zip(per_block["trl"], per_block["floor"], strict=True)]
+    out["ratios"] = {k: _summary(v) for k, v in ratios.items()}
+    return out
+
+
+def run(quick: bool = False, scratch: str | None = None) -> dict[str, Any]:
+    work = Path(tempfile.mkdtemp(prefix="verl_hpc_bench_step_", dir=scratch))
+    try:
+        if quick:
+            cases = [measure("tiny", reps=3, block=1, with_trl=False, work=work)]
+        else:
+            cases = [measure("tiny", reps=15, block=1, with_trl=True, work=work),
+                     measure("small", reps=7, block=1, with_trl=True, work=work)]
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    ratios = {f"{k}_{c['preset']}": v for c in cases for k, v in c["ratios"].items()}
+    return {"quick": quick, "setup": {"prompts": PROMPTS, "n": N, "max_new_tokens": NEW_TOKENS, "lr": LR,
+                                      "threads": THREADS},
+            "targets": {"verl_hpc_vs_floor": FLOOR_TARGET, "throughput_verl_hpc_vs_trl": TRL_TARGET},
+            "cases": cases, "ratios": ratios}
+
+
+def table(result: dict[str, Any]) -> str:
+    s = result["setup"]
+    lines = [f"RL step benchmark: {s['prompts']} prompts x {s['n']} samples x {s['max_new_tokens']} tokens, "
+             f"AdamW lr {s['lr']}, {s['threads']} threads; s/step median over blocks (min-max)",
+             f"{'model':<7}{'params':>8}{'verl-hpc s':>12}{'floor s':>10}{'TRL s':>9}  ratios"]
+    for c in result["cases"]:
+        st = c["step_s"]
+        trl = f"{st['trl']['median']:>9.3f}" if "trl" in st else f"{'-':>9}"
+        lines.append(f"{c['preset']:<7}{c['params'] / 1e6:>7.2f}M{st['verl_hpc']['median']:>12.3f}"
+                     f"{st['floor']['median']:>10.3f}{trl}")
+        for key, r in c["ratios"].items():
+            target = result["targets"].get(key)
+            verdict = ""
+            if target is not None:
+                ok = r["median"] <= target if key == "verl_hpc_vs_floor" else r["median"] >= target
+                verdict = f"  target {'<=' if key == 'verl_hpc_vs_floor' else '>='} {target} " \
+                          f"{'met' if ok else 'MISSED'}"
+            lines.append(f"{'':<27}{key:<30}{r['median']:>6.2f} ({r['min']:.2f}-{r['max']:.2f}){verdict}")
+        if c["trl_skipped"]:
+            lines.append(f"{'':<27}TRL skipped: {c['trl_skipped']}")
+    return "\n".join(lines)
