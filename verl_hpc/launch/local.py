@@ -54,7 +54,9 @@ log = get_logger("launch")
 TAIL_LINES = 20
 _TAIL_BYTES = 64 * 1024
 _PR_SET_PDEATHSIG = 1
-_FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# USR1/USR2 too: a "time is nearly up" notice sent to the launcher must become a checkpointed
+# stop of every worker, not the default action (the launcher dies, its workers are SIGKILLed).
+_FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 
 
 def _load_libc() -> ctypes.CDLL | None:
@@ -131,9 +133,10 @@ def worker_env(plan: ProcessPlan, rank: int, master_port: int, run_dir: Path,
         "VERL_HPC_GROUP_RANK": str(group_rank), "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(master_port), "VERL_HPC_RUN_DIR": str(run_dir),
     })
-    if group.resources.device_type == "cuda":
-        device_id = group.resources.device_ids[group_rank]
-        env["CUDA_VISIBLE_DEVICES"] = _visible_device(device_id, base_env.get("CUDA_VISIBLE_DEVICES"))
+    if group.resources.device_type == "cuda":  # this rank's slot(s): a tensor-parallel engine takes several
+        width = group.resources.devices_per_process
+        ids = group.resources.device_ids[group_rank * width:(group_rank + 1) * width]
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(_visible_device(i, base_env.get("CUDA_VISIBLE_DEVICES")) for i in ids)
     return env
 
 

@@ -16,7 +16,14 @@ import torch
 import torch.distributed as dist
 
 from verl_hpc.roles.allocator import ResourceAllocator
-from verl_hpc.roles.weight_sync import STOP_VERSION, broadcast_weights, gather_only, stream_into
+from verl_hpc.roles.weight_sync import (
+    STOP_VERSION,
+    broadcast_weights,
+    gather_only,
+    iter_full_params,
+    push_weights,
+    receive_weights,
+)
 from verl_hpc.runtime import resize
 from verl_hpc.runtime.checkpointing import RunCheckpointer, build_manager, resume_path
 from verl_hpc.runtime.dist_roles import STOP_PAYLOAD
@@ -63,7 +70,7 @@ class DistLifecycle:
         if self.checkpointer is None:
             self.sampler.load_state_dict(state["sampler"])
         if self.roles.engine is not None and not self.split:
-            stream_into(self.roles.actor.model, self.roles.engine.model)
+            push_weights(iter_full_params(self.roles.actor.model), self.roles.engine, self.policy_version)
         elif self.split and (ctx.is_role("actor") or ctx.is_role("rollout")):
             self.sync_split(sending=ctx.is_role("actor"))
         if self.roles.engine is not None:
@@ -78,8 +85,10 @@ class DistLifecycle:
         elif sending:
             broadcast_weights(self.roles.actor.model, group, leader, self.policy_version, True)
         else:
-            self.roles.engine.policy_version = broadcast_weights(self.roles.engine.model, group, leader, -1,
-                                                                 False)[0]
+            version, tensors = receive_weights(self.roles.engine.weight_specs(), group, leader,
+                                               device=self.roles.device)
+            if version != STOP_VERSION:
+                push_weights(tensors, self.roles.engine, version)
 
     def maybe_save(self, metrics: dict[str, float]) -> None:
         ckpt = self.checkpointer
@@ -138,7 +147,7 @@ class DistLifecycle:
         if "rollout" in ctx.sync_groups:
             if self.cfg.algorithm.max_staleness > 0 and roles.flight_server is not None:
                 roles.flight_server.shutdown()  # unblocks a rollout waiting on a full buffer
-            header = torch.tensor([STOP_VERSION, 0, 0], dtype=torch.int64)
+            header = torch.tensor([STOP_VERSION, 0, 0], dtype=torch.int64, device=roles.device)
             work = dist.broadcast(header, src=ctx.env.rank, group=ctx.sync_groups["rollout"], async_op=True)
             try:
                 work.wait(timeout=timedelta(seconds=5))

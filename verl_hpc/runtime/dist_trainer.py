@@ -31,14 +31,21 @@ from verl_hpc.metrics import MetricsLogger, Progress, memory_metrics
 from verl_hpc.roles.actor import UpdatePlan
 from verl_hpc.roles.allocator import generate_guarded
 from verl_hpc.roles.forward import to_device
-from verl_hpc.roles.weight_sync import STOP_VERSION, broadcast_weights, gather_only, stream_into
+from verl_hpc.roles.weight_sync import (
+    STOP_VERSION,
+    broadcast_weights,
+    gather_only,
+    iter_full_params,
+    push_weights,
+    receive_weights,
+)
 from verl_hpc.runtime.checkpointing import reseed, seed_all
 from verl_hpc.runtime.dist import DistContext
 from verl_hpc.runtime.dist_lifecycle import DistLifecycle
 from verl_hpc.runtime.dist_roles import STOP_PAYLOAD, build_roles
 from verl_hpc.runtime.heartbeat import Heartbeat, StallError, is_timeout
 from verl_hpc.runtime.signals import REQUEUE_SIGNALS, StopFlag, requeue
-from verl_hpc.runtime.step_metrics import data_metrics, perf_metrics
+from verl_hpc.runtime.step_metrics import data_metrics, perf_metrics, sync_metrics
 from verl_hpc.runtime.trainer import Timer
 from verl_hpc.utils.logging import get_logger
 
@@ -56,6 +63,7 @@ class DistributedTrainer(DistLifecycle):
     def __init__(self, cfg: RunConfig, ctx: DistContext, run_dir: Path, stop: StopFlag | None = None):
         self.cfg, self.ctx, self.run_dir = cfg, ctx, run_dir
         self.step, self.policy_version, self.resume_step = 0, 0, 0
+        self.last_sync_bytes = 0  # rollout ranks: bytes of the latest weight update received
         self.stopping = False
         # The worker installs the flag before anything slow: a USR1 during start-up must not kill it.
         self.stop, self._own_stop = (stop, False) if stop is not None else (StopFlag(), True)
@@ -184,7 +192,7 @@ class DistributedTrainer(DistLifecycle):
                 sync_bytes = self.send_weights()
         if self.is_leader:
             metrics.update(timer.seconds)
-            metrics["perf/weight_sync_bytes"] = float(sync_bytes)
+            metrics.update(sync_metrics(sync_bytes, timer.seconds.get("timing_s/update_weights", 0.0)))
             metrics["perf/throughput"] = metrics.get("perf/total_num_tokens", 0.0) / timer.seconds["timing_s/step"]
         return metrics
 
@@ -214,7 +222,8 @@ class DistributedTrainer(DistLifecycle):
                 self.stopping = True
                 return {}
         if self.rollout_logger is not None:
-            self.rollout_logger.log_scalars(self.step, {**timer.seconds, "rollout/policy_version":
+            synced = sync_metrics(self.last_sync_bytes, timer.seconds.get("timing_s/update_weights", 0.0))
+            self.rollout_logger.log_scalars(self.step, {**timer.seconds, **synced, "rollout/policy_version":
                                                         float(self.roles.engine.policy_version)})
         return {}
 
@@ -350,9 +359,7 @@ class DistributedTrainer(DistLifecycle):
         ctx, roles = self.ctx, self.roles
         self.policy_version += 1
         if not self.split:
-            moved = stream_into(roles.actor.model, roles.engine.model)
-            roles.engine.policy_version = self.policy_version
-            return moved
+            return push_weights(iter_full_params(roles.actor.model), roles.engine, self.policy_version)
         last_needed = self.cfg.trainer.total_steps - self.cfg.algorithm.max_staleness - 1
         if self.step > last_needed:
             return 0  # the rollout has generated its last batch: nobody is listening
@@ -364,12 +371,13 @@ class DistributedTrainer(DistLifecycle):
         return broadcast_weights(roles.actor.model, group, leader, self.policy_version, True)[1]
 
     def receive_weights(self) -> None:
-        leader = self.ctx.plan.group_ranks("trainer")[0]
-        version, _ = broadcast_weights(self.roles.engine.model, self.ctx.sync_groups["rollout"], leader, -1, False)
+        leader, engine = self.ctx.plan.group_ranks("trainer")[0], self.roles.engine
+        version, tensors = receive_weights(engine.weight_specs(), self.ctx.sync_groups["rollout"], leader,
+                                           device=self.roles.device)
         if version == STOP_VERSION:
             self.stopping = True
             return
-        self.roles.engine.policy_version = version
+        self.last_sync_bytes = push_weights(tensors, engine, version)
 
     def save_hf_model(self) -> None:
         from verl_hpc.checkpoint.hf_export import save_hf_directory

@@ -24,12 +24,14 @@ from verl_hpc.metrics import MetricsLogger, Progress, memory_metrics
 from verl_hpc.roles.actor import UpdatePlan
 from verl_hpc.roles.allocator import ResourceAllocator, generate_guarded
 from verl_hpc.roles.forward import batched_logprobs, to_device
+from verl_hpc.roles.rollout import shares_module
+from verl_hpc.roles.weight_sync import push_weights
 from verl_hpc.runtime.checkpointing import RunCheckpointer, build_manager, reseed, resume_path, seed_all
 from verl_hpc.runtime.components import Components, build_components
 from verl_hpc.runtime.env import JobEnvironment
 from verl_hpc.runtime.run_dir import prepare_run_dir
 from verl_hpc.runtime.signals import StopFlag, requeue
-from verl_hpc.runtime.step_metrics import data_metrics, perf_metrics, prefixed
+from verl_hpc.runtime.step_metrics import data_metrics, perf_metrics, prefixed, sync_metrics
 from verl_hpc.utils.logging import get_logger, setup_logging
 
 log = get_logger("trainer")
@@ -74,6 +76,7 @@ class HybridTrainer:
         self.run_dir = prepare_run_dir(run_dir or self.config.run_dir, self.config)
         self.step = 0
         self.policy_version = 0
+        self.last_sync_bytes = 0  # bytes of the latest weight update into a separate engine
 
     def train(self) -> TrainResult:
         cfg = self.config
@@ -113,6 +116,7 @@ class HybridTrainer:
                     break
         finally:
             stop.restore()
+            comps.rollout.close()
             self.checkpointer.manager.wait()
             progress.close()
             logger.close()
@@ -130,7 +134,7 @@ class HybridTrainer:
             return
         run = self.checkpointer.restore(path, self.sampler, comps.actor, comps.critic)
         self.step, self.policy_version = run["step"], run["policy_version"]
-        comps.rollout.policy_version = self.policy_version
+        self.push_weights(comps)  # restored weights must reach an engine that holds its own copy
 
     def train_step(self, comps: Components, logger: MetricsLogger) -> dict[str, float]:
         cfg, timer = self.config, Timer()
@@ -160,7 +164,7 @@ class HybridTrainer:
             logger.log_text(self.step, "samples", self.samples_text(comps, batch))
         return {**data_metrics(batch.scores(), inputs, cfg.algorithm.sampling.max_new_tokens),
                 **train_metrics, **timer.seconds, **perf_metrics(inputs, timer.seconds["timing_s/step"]),
-                **memory_metrics(comps.device), **comps.actor.allocator.metrics(),
+                **memory_metrics(comps.device), **comps.actor.allocator.metrics(), **self.sync_metrics(timer),
                 "actor/policy_version": float(self.policy_version)}
 
     def generate(self, comps: Components) -> RolloutBatch:
@@ -205,9 +209,22 @@ class HybridTrainer:
                                                                  algo.gamma, algo.lam)
 
     def sync_weights(self, comps: Components) -> None:
-        """Embedded colocated mode: the engine shares the actor's module, so only the version moves."""
         self.policy_version += 1
-        comps.rollout.policy_version = self.policy_version
+        self.push_weights(comps)
+
+    def sync_metrics(self, timer: Timer) -> dict[str, float]:
+        """Weight-update bytes and GB/s, for engines that take a copy (none when shared)."""
+        if not self.last_sync_bytes:
+            return {}
+        return sync_metrics(self.last_sync_bytes, timer.seconds.get("timing_s/update_weights", 0.0))
+
+    def push_weights(self, comps: Components) -> None:
+        """An HF engine shares the actor's module, so only the version moves; vLLM takes a copy."""
+        if shares_module(comps.rollout, comps.actor.model):
+            comps.rollout.policy_version = self.policy_version
+        else:
+            self.last_sync_bytes = push_weights(comps.actor.model.named_parameters(), comps.rollout,
+                                                self.policy_version)
 
     def samples_text(self, comps: Components, batch: RolloutBatch) -> str:
         count = min(self.config.logging.num_samples, len(batch))
