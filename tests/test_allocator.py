@@ -29,7 +29,7 @@ def test_halves_down_to_the_floor_then_fails_with_the_numbers() -> None:
     assert allocator.metrics()["resource/degrade_events"] == 2.0
     assert allocator.metrics()["resource/micro_batch_size/train"] == 8.0
     probe = allocator.probe()
-    assert 0 < probe["resource/free_memory_gb"] <= probe["resource/total_memory_gb"]
+    assert 0 < probe["memory/free_gb"] <= probe["memory/total_gb"]
     with pytest.raises(OutOfMemoryAtFloor, match=r"micro-batch 4; [\d.]+ GiB free of [\d.]+ GiB on cpu; "
                                                  r"trainer.min_micro_batch_size=4 is the floor"):
         allocator.run("generate", 16, lambda size: work(size * 100))

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -81,19 +78,19 @@ def test_live_resize_of_the_reward_role_scores_every_rollout_once(tmp_path: Path
 
     (tmp_path / "spy.py").write_text(REWARD_SPY)
     spy, run_dir = tmp_path / "spy.tsv", tmp_path / "run"
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "SPY_FILE": str(spy)}
-    cli = subprocess.Popen([sys.executable, "-m", "verl_hpc", "train", "configs/quickstart_split.yaml",
-                            "--run-dir", str(run_dir), f"model.path={tiny_model_dir}", f"trainer.total_steps={STEPS}",
-                            "trainer.save_hf_model=false", f"reward.function={tmp_path / 'spy.py'}:score",
-                            "resources.reward={device_type: cpu, device_ids: [3], strategy: data_parallel}"],
-                           cwd=REPO, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    run = RunHandle.start(REPO / "configs/quickstart_split.yaml", run_dir, [
+        f"model.path={tiny_model_dir}", f"trainer.total_steps={STEPS}", "trainer.save_hf_model=false",
+        f"reward.function={tmp_path / 'spy.py'}:score",
+        "resources.reward={device_type: cpu, device_ids: [3], strategy: data_parallel}"],
+        env={"TOKENIZERS_PARALLELISM": "false", "SPY_FILE": str(spy)})
     metrics = run_dir / "tensorboard" / "metrics.jsonl"
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline and (not metrics.exists() or not metrics.read_text().strip()):
         time.sleep(0.2)
-    RunHandle(run_dir).update_resource("reward", device_ids=[3, 4])  # the CLI's `resize`, without its start-up
-    _, stderr = cli.communicate(timeout=600)
-    assert cli.returncode == 0, stderr[-3000:]
+    run.update_resource("reward", device_ids=[3, 4])  # what `verl-hpc resize RUN_DIR reward.device_ids=[3,4]` does
+    code = run.wait(timeout=600)
+    launcher_log = (run_dir / "logs" / "launcher.out").read_text()
+    assert code == 0, launcher_log[-3000:]
 
     rows = read_jsonl_metrics(metrics)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))  # continuous: no gap, no repeat
@@ -107,4 +104,4 @@ def test_live_resize_of_the_reward_role_scores_every_rollout_once(tmp_path: Path
         part = lines[(step - 1) * 128:step * 128]
         assert row["critic/score/mean"] == pytest.approx(sum(float(v) for _, v in part) / 128)
         assert len({pid for pid, _ in part}) == (1 if step <= boundary else 2)  # the new worker joined
-    assert f"resized after step {boundary}" in stderr
+    assert f"resized after step {boundary}" in launcher_log

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -43,10 +45,38 @@ def update_resource(run: str | Path, component: str, device_ids: list[int] | Non
 
 
 class RunHandle:
-    """A handle on a run directory for code that did not start the run (a notebook, a monitor)."""
+    """A handle on a run: `RunHandle.start(...)` launches one, `RunHandle(run_dir)` attaches to one.
 
-    def __init__(self, run_dir: str | Path):
+    Why `start` runs `verl-hpc train` as a child process: the local launcher must own the
+    main thread of its process (it forwards Ctrl-C/SIGTERM and relies on a parent-death
+    signal tied to the thread that spawned the workers), which a notebook's thread is not.
+    """
+
+    def __init__(self, run_dir: str | Path, process: subprocess.Popen | None = None):
         self.run_dir = resolve_target(run_dir)
+        self.process = process
+
+    @classmethod
+    def start(cls, config: str | Path, run_dir: str | Path, overrides: list[str] | None = None,
+              env: dict[str, str] | None = None) -> RunHandle:
+        """`verl-hpc train CONFIG --run-dir RUN_DIR OVERRIDES` in the background.
+
+        Its output goes to RUN_DIR/logs/launcher.out (the workers log beside it).
+        """
+        run_dir = Path(run_dir).absolute()
+        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        command = [sys.executable, "-m", "verl_hpc", "train", str(Path(config).absolute()), "--run-dir",
+                   str(run_dir), *(overrides or [])]
+        with open(run_dir / "logs" / "launcher.out", "ab") as out:
+            process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+                                       env={**os.environ, **(env or {})})
+        return cls(run_dir, process)
+
+    def wait(self, timeout: float | None = None) -> int:
+        """The exit code of `verl-hpc train` (0: finished; 1: a worker failed; 2: bad config)."""
+        if self.process is None:
+            raise RuntimeError(f"this handle attached to {self.run_dir}; it did not start the run")
+        return self.process.wait(timeout)
 
     def update_resource(self, component: str, device_ids: list[int] | None = None, strategy: str | None = None,
                         **fields: Any) -> Path:

@@ -69,6 +69,9 @@ def launch_local(cfg: RunConfig, run_dir: str | Path | None) -> TrainResult:
     from verl_hpc.metrics import read_jsonl_metrics
 
     path = prepare_run(cfg, run_dir)
+    if resize.history(path):
+        log.warning("%s was resized before (%s); this launch uses the resources of the config given now",
+                    path, path / resize.HISTORY_FILE)
     while True:
         launcher = LocalLauncher(plan_for_config(cfg), path, [sys.executable, "-m", "verl_hpc.runtime.worker"],
                                  grace_seconds=min(10.0, cfg.resources.timeout_seconds))

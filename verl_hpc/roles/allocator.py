@@ -74,7 +74,7 @@ class ResourceAllocator:
     def probe(self) -> dict[str, float]:
         """Before each step: how much memory this process's device has free."""
         self.free_bytes, self.total_bytes = free_memory(self.device)
-        return {"resource/free_memory_gb": self.free_bytes / GIB, "resource/total_memory_gb": self.total_bytes / GIB}
+        return {"memory/free_gb": self.free_bytes / GIB, "memory/total_gb": self.total_bytes / GIB}
 
     def size(self, phase: str, configured: int) -> int:
         return min(configured, self.sizes.get(phase, configured))
@@ -114,8 +114,8 @@ class ResourceAllocator:
         out = {"resource/degrade_events": float(self.degrade_events)}
         out.update({f"resource/micro_batch_size/{phase}": float(size) for phase, size in sorted(self.sizes.items())})
         if self.total_bytes:
-            out.update({"resource/free_memory_gb": self.free_bytes / GIB,
-                        "resource/total_memory_gb": self.total_bytes / GIB})
+            out.update({"memory/free_gb": self.free_bytes / GIB,
+                        "memory/total_gb": self.total_bytes / GIB})
         return out
 
 
