@@ -87,6 +87,24 @@ class _ReusedStager(BlockingAsyncStager):
         return _copy_state_dict(state_dict, self.state_dict_cache)
 
 
+def _root_cause(err: BaseException) -> BaseException:
+    """The OSError under DCP's wrappers (per-rank failures, exception chains), else `err`."""
+    seen, todo = set(), [err]
+    while todo:
+        exc = todo.pop(0)
+        if id(exc) in seen:
+            continue
+        seen.add(id(exc))
+        if isinstance(exc, OSError):
+            return exc
+        failures = getattr(exc, "failures", None)  # {rank: (exception, stack)} in torch 2.13
+        for failure in failures.values() if isinstance(failures, dict) else []:
+            first = failure[0] if isinstance(failure, tuple) and failure else failure
+            todo += [first] if isinstance(first, BaseException) else []
+        todo += [e for e in (exc.__cause__, exc.__context__) if e is not None]
+    return err
+
+
 def _signature(node: Any) -> Any:
     if isinstance(node, torch.Tensor):
         local = node.to_local() if hasattr(node, "to_local") else node
@@ -176,7 +194,12 @@ class CheckpointManager:
         # No fsync by DCP: file_records fsyncs each file while hashing it (overlapped).
         writer = dcp.FileSystemWriter(partial, sync_files=False, thread_count=self._write_threads)
         if not use_async:
-            dcp.save(tensor_state, storage_writer=writer, process_group=self.process_group)
+            try:
+                dcp.save(tensor_state, storage_writer=writer, process_group=self.process_group)
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException as err:  # DCP's CheckpointException is a BaseException; ENOSPC hides in it
+                raise self._write_error(partial, info, err) from err
             return self._finish(partial, info)
         response = dcp.async_save(tensor_state, storage_writer=writer, process_group=self._side_group,
                                   async_stager=self._stager)
@@ -190,9 +213,35 @@ class CheckpointManager:
         """Runs in DCP's writer thread when the async write ends: commit, then resolve `done`."""
         try:
             written.result()
+        except BaseException as err:  # handed to whoever waits (DCP's CheckpointException is a BaseException)
+            try:
+                interrupted = isinstance(err, (KeyboardInterrupt, SystemExit))
+                done.set_exception(err if interrupted else self._write_error(partial, info, err))
+            except BaseException:  # never leave `done` unresolved: the trainer waits on it
+                done.set_exception(err)
+            return
+        try:
             done.set_result(self._finish(partial, info))
         except BaseException as err:  # handed to whoever waits
             done.set_exception(err)
+
+    def _write_error(self, partial: Path, info: dict[str, Any], err: BaseException) -> CheckpointError:
+        """One line that says what failed, how much space is left, and which checkpoint still holds.
+
+        Why: a full disk reaches us as torch's "unexpected pos 704 vs 598" from the zip writer;
+        the free space on the file system is what the user needs to see.
+        """
+        try:
+            free = f"{shutil.disk_usage(self.root).free / 2**20:.1f} MiB free on that file system"
+        except OSError:
+            free = "free space unknown"
+        previous = latest_checkpoint(self.root)
+        cause = _root_cause(err)
+        detail = " ".join(f"{type(cause).__name__}: {cause}".split())[:300]
+        return CheckpointError(f"checkpoint step {info['step']} could not be written to {partial} ({detail}); "
+                               f"{free}; the last committed checkpoint is intact: {previous or 'none yet'} "
+                               "(hint: free space or move the run directory, then run the same command to "
+                               "resume from it)")
 
     def wait(self) -> Path | None:
         """Block until the in-flight async save is committed; its path, or None if none was pending.

@@ -49,6 +49,7 @@ def _add_init_model(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
+    from verl_hpc.checkpoint.layout import CheckpointError
     from verl_hpc.config import load_config
     from verl_hpc.launch.local import WorkerFailure
     from verl_hpc.launch.train import train
@@ -56,7 +57,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     try:
         result = train(cfg, run_dir=args.run_dir)
-    except WorkerFailure as failure:
+    except (WorkerFailure, CheckpointError) as failure:  # a checkpoint write failed: disk full, I/O error
         print(f"verl-hpc: error: {failure}", file=sys.stderr)
         return 1
     score = result.last_metrics.get("critic/score/mean")

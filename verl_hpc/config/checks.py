@@ -148,6 +148,7 @@ def _load_file_module(file_name: str, field: str):  # -> ModuleType
     path = expand_path(file_name).resolve()
     if not path.is_file():
         raise FieldError(field, f"reward file {path} does not exist", "check the path (relative to the working dir)")
+    _check_trusted_file(path, field)
     name = f"verl_hpc_user_{path.stem}_{abs(hash(str(path))) % 10**8}"
     if name in sys.modules:
         return sys.modules[name]
@@ -160,6 +161,17 @@ def _load_file_module(file_name: str, field: str):  # -> ModuleType
                          "fix the file so it imports") from None
     sys.modules[name] = module
     return module
+
+
+def _check_trusted_file(path: Path, field: str) -> None:
+    """Refuse to run code that another user could have changed: it would run as you, in your job."""
+    st = path.stat()
+    if st.st_uid not in (os.getuid(), 0):
+        raise FieldError(field, f"reward file {path} is owned by uid {st.st_uid}, not by you",
+                         "copy it into a directory of your own and point reward.function there")
+    if st.st_mode & 0o022:
+        raise FieldError(field, f"reward file {path} is writable by group or others (mode {st.st_mode & 0o777:04o})",
+                         f"chmod go-w {path}")
 
 
 def _check_roles(cfg: RunConfig) -> None:

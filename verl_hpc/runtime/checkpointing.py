@@ -60,11 +60,13 @@ def resume_path(cfg: RunConfig, run_dir: Path) -> Path | None:
     mode = cfg.checkpoint.resume
     if mode == "never":
         return None
+    # sha256, not only sizes: a bit flip keeps every size, and loading it would silently train
+    # on corrupted weights; a corrupted newest checkpoint is skipped (warned) for the one before.
     if mode == "auto":
-        return latest_checkpoint(run_dir / "checkpoints")
+        return latest_checkpoint(run_dir / "checkpoints", verify="sha256")
     path = expand_path(mode)
     if (path / "checkpoints").is_dir():
-        path = latest_checkpoint(path / "checkpoints") or path
+        path = latest_checkpoint(path / "checkpoints", verify="sha256") or path
     if not (path / "manifest.json").is_file():
         raise ConfigError("checkpoint.resume", f"{path} is not a committed checkpoint",
                           "point it at a step_* directory from `verl-hpc ckpt list`, or use auto")

@@ -11,7 +11,7 @@ import os
 import time
 from pathlib import Path
 
-from verl_hpc.config import ConfigError, RunConfig
+from verl_hpc.config import ConfigError, RunConfig, dump_config
 from verl_hpc.config.checks import expand_path
 
 
@@ -29,11 +29,29 @@ def prepare_run_dir(run_dir: str | Path | None, cfg: RunConfig) -> Path:
     if holds_run(path) and not resumable(path, cfg):
         raise ConfigError("run_dir", f"{path} already holds a run and has no checkpoint to resume",
                           "choose a new --run-dir (outputs are never overwritten)")
-    path.mkdir(parents=True, exist_ok=True)
-    os.chmod(path, 0o700)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        os.chmod(path, 0o700)
+        probe = path / f".write-test-{os.getpid()}"
+        probe.write_bytes(b"")  # root ignores modes, so only a real write says it is writable
+        probe.unlink()
+    except OSError as err:
+        raise ConfigError("run_dir", f"cannot write to {path}: {err.strerror or err}",
+                          "choose a --run-dir on a writable file system with free space") from None
     return path
 
 
 def resumable(path: Path, cfg: RunConfig) -> bool:
-    """Whether `path` has a checkpoint this run would resume from (checkpoint.resume: auto)."""
-    return cfg.checkpoint.resume != "never" and any((path / "checkpoints").glob("step_*"))
+    """Whether this run may continue in `path` (checkpoint.resume: auto).
+
+    Yes with a committed checkpoint. Also when the run died before its first one (killed
+    during start-up or its first steps) and `config.yaml` is exactly this config: the
+    restart redoes the same steps from step 0, so nothing the user made is lost or changed.
+    """
+    if cfg.checkpoint.resume == "never":
+        return False
+    if any((path / "checkpoints").glob("step_*")):
+        return True
+    stored = path / "config.yaml"
+    unfinished = not (path / "hf_model").exists()
+    return unfinished and stored.is_file() and stored.read_text() == dump_config(cfg)
