@@ -12,7 +12,12 @@ from verl_hpc.config.resources import VllmArgs
 from verl_hpc.data import RolloutBatch
 from verl_hpc.models.tiny import init_model
 from verl_hpc.roles.forward import response_logprobs, unsampled_token
-from verl_hpc.roles.rollout.vllm_engine import VLLMRolloutEngine, engine_environment, engine_options
+from verl_hpc.roles.rollout.vllm_engine import (
+    VLLMRolloutEngine,
+    cpu_binding,
+    engine_environment,
+    engine_options,
+)
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
 TEXTS = ["1+2=", "12+5=", "what is 3+4=", "9+9=", "the sum of 4 and 3 is", "0+0="]
@@ -62,10 +67,21 @@ def _assert_parity(model, prompt_ids, generation, temperature: float) -> None:
         assert torch.allclose(torch.tensor(got), want, atol=1e-4), (got, want.tolist())
 
 
+def test_cpu_tensor_parallel_workers_get_their_own_cores() -> None:
+    assert cpu_binding([0, 1, 2, 3], 2) == "0,1|2,3"
+    assert cpu_binding([4, 5, 6], 2) == "4|5"
+    assert cpu_binding([0], 2) == "0|0"  # fewer cores than workers: they share
+    env = engine_environment({}, "cpu", None, VllmArgs(tensor_parallel_size=2))
+    assert env["VLLM_CPU_OMP_THREADS_BIND"].count("|") == 1
+    assert engine_environment({"VLLM_CPU_OMP_THREADS_BIND": "7|8"}, "cpu", None,
+                              VllmArgs(tensor_parallel_size=2))["VLLM_CPU_OMP_THREADS_BIND"] == "7|8"
+
+
 @needs_vllm
 @pytest.mark.slow
-@pytest.mark.parametrize("preset", ["tiny-hd32", "tiny-hd32-untied"])
-def test_logprobs_match_the_trainer_after_an_in_place_update(tmp_path, preset: str) -> None:
+@pytest.mark.parametrize(("preset", "tp"), [("tiny-hd32", 1), ("tiny-hd32-untied", 1), ("tiny-hd32-untied", 2)])
+def test_logprobs_match_the_trainer_after_an_in_place_update(tmp_path, preset: str, tp: int) -> None:
+    """Tied and untied embeddings; and a tensor-parallel engine, each worker reloading its shard."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = init_model(tmp_path / preset, preset=preset, seed=0)
@@ -73,7 +89,8 @@ def test_logprobs_match_the_trainer_after_an_in_place_update(tmp_path, preset: s
     model = AutoModelForCausalLM.from_pretrained(path).eval()
     prompt_ids = [tokenizer(t)["input_ids"] for t in TEXTS for _ in range(4)]
     sampling = SamplingConfig(n=4, temperature=0.7, max_new_tokens=6)
-    engine = VLLMRolloutEngine(str(path), unsampled_token(model), VllmArgs(dtype="float32", enforce_eager=True),
+    engine = VLLMRolloutEngine(str(path), unsampled_token(model),
+                               VllmArgs(dtype="float32", enforce_eager=True, tensor_parallel_size=tp),
                                log_file=tmp_path / "engine.log")
     try:
         before = engine.generate(prompt_ids, sampling)

@@ -55,8 +55,12 @@ def engine_environment(parent: dict[str, str], device_type: str, device_ids: lis
     launcher or Slurm already narrowed visibility to its slot) the parent's GPUs as they are.
     """
     env = {k: v for k, v in parent.items() if k not in _WORLD_VARIABLES and not k.startswith("TORCHELASTIC_")}
-    if args.tensor_parallel_size == 1:
+    tp = args.tensor_parallel_size
+    if tp == 1:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core runs inside the child itself
+    elif device_type == "cpu" and "VLLM_CPU_OMP_THREADS_BIND" not in env:
+        # vLLM's automatic binding wants one NUMA node per CPU worker; split our cores instead.
+        env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding(sorted(os.sched_getaffinity(0)), tp)
     if device_type == "cuda" and device_ids is not None:
         visible = parent.get("CUDA_VISIBLE_DEVICES")
         listed = visible.split(",") if visible else None
@@ -64,6 +68,16 @@ def engine_environment(parent: dict[str, str], device_type: str, device_ids: lis
             raise ValueError(f"rollout device ids {device_ids} are not all among CUDA_VISIBLE_DEVICES={visible}")
         env["CUDA_VISIBLE_DEVICES"] = ",".join(listed[i] if listed else str(i) for i in device_ids)
     return env
+
+
+def cpu_binding(cores: list[int], workers: int) -> str:
+    """vLLM's VLLM_CPU_OMP_THREADS_BIND for `workers` CPU workers: contiguous core ranges, '|'-separated
+    (workers share the cores round-robin when there are fewer cores than workers)."""
+    if len(cores) < workers:
+        return "|".join(str(cores[i % len(cores)]) for i in range(workers))
+    per = len(cores) // workers
+    parts = [cores[i * per:(i + 1) * per] for i in range(workers)]
+    return "|".join(",".join(str(c) for c in part) for part in parts)
 
 
 def engine_options(model_dir: str, device_type: str, args: VllmArgs, colocated: bool) -> dict[str, Any]:
@@ -105,12 +119,13 @@ class VLLMRolloutEngine:
             self.conn = self._accept(listener)
             info = self._reply("start", self.timeout)
         except BaseException:
+            listener.close()
             self.close()
             raise
         finally:
-            listener.close()
             if out is not None:
                 out.close()
+        listener.close()
         VLLMRolloutEngine.starts += 1
         log.info("vllm engine started: pid %d, %.1fs (%s)", info["pid"], time.monotonic() - started,
                  ", ".join(f"{k}={v}" for k, v in self.options.items() if k != "model"))
