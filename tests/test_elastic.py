@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
@@ -13,7 +12,25 @@ from tests.test_dist_e2e import REWARD_SPY
 from verl_hpc.config import ConfigError, dump_config, load_config
 from verl_hpc.runtime import resize
 
-STEPS = 16
+STEPS = 8
+BOUNDARY = 3
+# The reward function of the live test: records who scored what, and asks for the resize while
+# scoring step BOUNDARY (the request lands mid-step, so the run acts on it right after that step).
+RESIZING_SPY = REWARD_SPY + '''
+CALLS = [0]
+def resizing_score(prompt, response, ground_truth, **_):
+    value = score(prompt=prompt, response=response, ground_truth=ground_truth)
+    CALLS[0] += 1
+    if CALLS[0] == int(os.environ["RESIZE_AT_CALL"]):
+        try:
+            marker = os.open(os.environ["SPY_FILE"] + ".asked", os.O_CREAT | os.O_EXCL)
+        except FileExistsError:
+            return value  # the new world's workers count again from 0: ask once
+        os.close(marker)
+        from verl_hpc.launch.elastic import update_resource
+        update_resource(os.environ["RUN_DIR"], "reward", device_ids=[3, 4])
+    return value
+'''
 
 
 def _split_run_dir(tmp_path: Path, reward_ids: list[int]) -> Path:
@@ -76,27 +93,23 @@ def test_live_resize_of_the_reward_role_scores_every_rollout_once(tmp_path: Path
     from verl_hpc.launch.elastic import RunHandle
     from verl_hpc.metrics import read_jsonl_metrics
 
-    (tmp_path / "spy.py").write_text(REWARD_SPY)
+    (tmp_path / "spy.py").write_text(RESIZING_SPY)
     spy, run_dir = tmp_path / "spy.tsv", tmp_path / "run"
     run = RunHandle.start(REPO / "configs/quickstart_split.yaml", run_dir, [
         f"model.path={tiny_model_dir}", f"trainer.total_steps={STEPS}", "trainer.save_hf_model=false",
-        f"reward.function={tmp_path / 'spy.py'}:score",
+        f"reward.function={tmp_path / 'spy.py'}:resizing_score",
         "resources.reward={device_type: cpu, device_ids: [3], strategy: data_parallel}"],
-        env={"TOKENIZERS_PARALLELISM": "false", "SPY_FILE": str(spy)})
-    metrics = run_dir / "tensorboard" / "metrics.jsonl"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline and (not metrics.exists() or not metrics.read_text().strip()):
-        time.sleep(0.2)
-    run.update_resource("reward", device_ids=[3, 4])  # what `verl-hpc resize RUN_DIR reward.device_ids=[3,4]` does
+        env={"TOKENIZERS_PARALLELISM": "false", "SPY_FILE": str(spy), "RUN_DIR": str(run_dir),
+             "RESIZE_AT_CALL": str((BOUNDARY - 1) * 128 + 1)})
     code = run.wait(timeout=600)
     launcher_log = (run_dir / "logs" / "launcher.out").read_text()
     assert code == 0, launcher_log[-3000:]
 
-    rows = read_jsonl_metrics(metrics)
+    rows = read_jsonl_metrics(run_dir / "tensorboard" / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))  # continuous: no gap, no repeat
     [entry] = resize.history(run_dir)
     boundary = entry["after_step"]
-    assert 1 <= boundary <= STEPS - 2
+    assert boundary == BOUNDARY  # the step that saw the request finished first, in the old world
     assert load_config(run_dir / "config.yaml").resources.reward.device_ids == [3, 4]
     lines = [line.split("\t") for line in spy.read_text().splitlines()]
     assert len(lines) == STEPS * 128  # every rollout scored exactly once, across the restart
