@@ -23,7 +23,27 @@ if TYPE_CHECKING:
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
 DONE = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
-STEPS = 60
+STEPS = 12
+BOUNDARY = 3
+# The reward function: while scoring step BOUNDARY it runs `verl-hpc resize $SLURM_JOB_ID ...`, as a
+# user would from a login node, so the resize lands at a known step instead of racing the run.
+RESIZING_REWARD = '''
+import os, subprocess, sys
+from verl_hpc.data.tasks.arithmetic import score as exact
+CALLS = [0]
+def score(prompt, response, ground_truth, **_):
+    CALLS[0] += 1
+    if CALLS[0] == int(os.environ["RESIZE_AT_CALL"]):
+        try:
+            os.close(os.open(os.environ["RESIZE_MARKER"], os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            return exact(prompt=prompt, response=response, ground_truth=ground_truth)  # ask once
+        done = subprocess.run([sys.executable, "-m", "verl_hpc", "resize", os.environ["SLURM_JOB_ID"],
+                               "actor.device_ids=[0,1]"], capture_output=True, text=True, timeout=60)
+        with open(os.environ["RESIZE_MARKER"], "w") as f:
+            f.write(f"{done.returncode}\\n{done.stdout}{done.stderr}")
+    return exact(prompt=prompt, response=response, ground_truth=ground_truth)
+'''
 
 
 def cli(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -62,17 +82,20 @@ def test_resize_actor_from_one_to_two_tasks_across_a_resubmission(slurm_cluster:
     from verl_hpc.runtime import resize
 
     model = init_model(tmp_path / "tiny", preset="tiny", seed=0)
-    run_dir = tmp_path / "run"
-    submitted = cli("submit", "configs/slurm_local.yaml", "--run-dir", str(run_dir), f"model.path={model}",
-                    f"trainer.total_steps={STEPS}", "logging.progress=off", "trainer.save_hf_model=false",
-                    "resources.actor.device_ids=[0]")
+    run_dir, marker = tmp_path / "run", tmp_path / "resize.out"
+    (tmp_path / "reward.py").write_text(RESIZING_REWARD)
+    os.environ.update(RESIZE_AT_CALL=str((BOUNDARY - 1) * 128 + 1), RESIZE_MARKER=str(marker))  # sbatch exports it
+    try:
+        submitted = cli("submit", "configs/slurm_local.yaml", "--run-dir", str(run_dir), f"model.path={model}",
+                        f"trainer.total_steps={STEPS}", "logging.progress=off", "trainer.save_hf_model=false",
+                        f"reward.function={tmp_path / 'reward.py'}:score", "resources.actor.device_ids=[0]")
+    finally:
+        del os.environ["RESIZE_AT_CALL"], os.environ["RESIZE_MARKER"]
     assert submitted.returncode == 0, submitted.stderr
     first = int(next(line.split()[-1] for line in submitted.stdout.splitlines() if line.startswith("submitted job")))
-    assert slurm_cluster.wait_for(lambda: len(steps(run_dir)) >= 3, timeout=240), cli("logs", str(first)).stdout
-    resized = cli("resize", str(first), "actor.device_ids=[0,1]")  # by job id: the registry knows the run
-    assert resized.returncode == 0, resized.stderr
 
-    assert slurm_cluster.wait_for(lambda: finished(slurm_cluster, first), timeout=240), cli("logs", str(first)).stdout
+    assert slurm_cluster.wait_for(lambda: finished(slurm_cluster, first), timeout=300), cli("logs", str(first)).stdout
+    assert marker.read_text().startswith("0\n") and "resize recorded" in marker.read_text(), marker.read_text()
     assert set(slurm_cluster.job_states(first)) == {"COMPLETED"}
     batch_log = (run_dir / "slurm" / f"{first}_batch.out").read_text()
     second = int(batch_log.strip().splitlines()[-1])  # `verl-hpc resubmit` prints the new job id last
@@ -83,6 +106,7 @@ def test_resize_actor_from_one_to_two_tasks_across_a_resubmission(slurm_cluster:
     assert [r["NumTasks"] for r in records][0] == "2"  # the trainer component now runs 2 tasks
 
     [entry] = resize.history(run_dir)
+    assert entry["after_step"] == BOUNDARY
     assert entry["world_size"] == {"before": 3, "after": 4}
     assert entry["before"]["actor"]["device_ids"] == [0] and entry["after"]["actor"]["device_ids"] == [0, 1]
     assert steps(run_dir) == list(range(1, STEPS + 1))  # resumed after the boundary: no gap, no repeat
