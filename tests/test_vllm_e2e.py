@@ -58,3 +58,19 @@ def test_split_rollout_rank_serves_vllm_and_takes_broadcast_weights(tmp_path: Pa
     assert all(r["perf/weight_sync_bytes"] > 0 for r in rollout[1:])
     assert len(read_jsonl_metrics(run_dir / "tensorboard" / "metrics.jsonl")) == 4
     assert not _engine_processes()
+
+
+def test_colocated_fsdp_ranks_each_drive_an_engine_and_export(tmp_path: Path) -> None:
+    """Hybrid engine with vLLM: 2 FSDP ranks, each with its own engine fed from the gathered shards."""
+    run_dir = tmp_path / "run"
+    proc = run_cli("train", "configs/quickstart_colocated.yaml", "--run-dir", str(run_dir),
+                   f"model.path={tmp_path / 'model'}", "model.init_preset=tiny-hd32", "trainer.total_steps=3",
+                   "resources.rollout={device_type: cpu, device_ids: [0, 1], strategy: vllm, "
+                   "vllm_args: {dtype: float32, enforce_eager: true}}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert _starts(run_dir) == 2  # one per trainer rank, for the whole run
+    rows = read_jsonl_metrics(run_dir / "tensorboard" / "metrics.jsonl")
+    assert [r["actor/policy_version"] for r in rows] == [1, 2, 3]
+    assert all(r["perf/weight_sync_bytes"] > 0 for r in rows)
+    assert (run_dir / "hf_model" / "config.json").exists()  # exported from the actor, not the engine
+    assert not _engine_processes()
