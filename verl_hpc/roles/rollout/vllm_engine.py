@@ -13,6 +13,7 @@ model and the cache at once, the OOM peers hit at the train-to-rollout switch.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -226,5 +227,6 @@ class VLLMRolloutEngine:
                 process.wait()
         shutil.rmtree(getattr(self, "_sock_dir", ""), ignore_errors=True)
 
-    def __del__(self) -> None:
-        self.close()
+    def __del__(self) -> None:  # a forgotten engine still goes away with its owner
+        with contextlib.suppress(Exception):  # interpreter shutdown may have torn modules down
+            self.close()
