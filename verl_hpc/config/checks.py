@@ -90,16 +90,20 @@ def _check_data(cfg: RunConfig) -> None:
             raise FieldError(field, f"{name} has an unsupported suffix", f"use one of {', '.join(DATA_SUFFIXES)}")
         if not path.is_file() or not os.access(path, os.R_OK):
             raise FieldError(field, f"{name} does not exist or is not readable", "check the path and permissions")
-        from verl_hpc.data.prompts import read_columns
+        from verl_hpc.data.prompts import read_schema
 
         try:
-            columns = read_columns(path)
+            schema = read_schema(path)
         except Exception as err:  # noqa: BLE001 - any parse failure is the user's file
             raise FieldError(field, f"{name} cannot be read as {path.suffix[1:]}: {err}",
                              "check the file's format") from None
-        if data.prompt_key not in columns:
-            raise FieldError("data.prompt_key", f"column {data.prompt_key!r} not in {name} (has {columns})",
+        if data.prompt_key not in schema.names:
+            raise FieldError("data.prompt_key", f"column {data.prompt_key!r} not in {name} (has {schema.names})",
                              "set data.prompt_key to the prompt column")
+        kind = schema.field(data.prompt_key).type
+        if str(kind) not in ("string", "large_string"):  # else the tokenizer fails deep inside the job
+            raise FieldError("data.prompt_key", f"column {data.prompt_key!r} of {name} holds {kind}, not text",
+                             "store the prompts as strings, or point data.prompt_key at the text column")
 
 
 def _check_reward(cfg: RunConfig) -> None:

@@ -27,14 +27,18 @@ def read_table(path: str | Path) -> pa.Table:
     raise ValueError(f"{path}: unsupported file type {path.suffix!r} (use .parquet or .jsonl)")
 
 
-def read_columns(path: str | Path) -> list[str]:
-    """Column names, reading as little as the format allows (Parquet: the footer only)."""
+def read_schema(path: str | Path):  # -> pa.Schema
+    """The file's Arrow schema, reading as little as the format allows (Parquet: the footer only)."""
     path = Path(path)
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
-        return list(pq.read_schema(path).names)
-    return list(read_table(path).column_names)
+        return pq.read_schema(path)
+    return read_table(path).schema
+
+
+def read_columns(path: str | Path) -> list[str]:
+    return list(read_schema(path).names)
 
 
 class PromptDataset:
