@@ -118,3 +118,26 @@ def test_live_resize_of_the_reward_role_scores_every_rollout_once(tmp_path: Path
         assert row["critic/score/mean"] == pytest.approx(sum(float(v) for _, v in part) / 128)
         assert len({pid for pid, _ in part}) == (1 if step <= boundary else 2)  # the new worker joined
     assert f"resized after step {boundary}" in launcher_log
+
+
+def test_status_shows_each_cuda_roles_gpus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from verl_hpc.launch.elastic import device_report
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    cfg = load_config(REPO / "configs/quickstart_split.yaml", [
+        "resources.actor={device_type: cuda, device_ids: [0], strategy: fsdp}",
+        "resources.rollout={device_type: cuda, device_ids: [1], strategy: hf}"])
+    (run_dir / "config.yaml").write_text(dump_config(cfg))
+    gib = 2**30
+    usage = {"available": True, "reason": None, "devices": [
+        {"index": i, "name": "H100", "uuid": f"GPU-{i}", "memory_used_bytes": i * gib,
+         "memory_total_bytes": 80 * gib, "utilization_percent": 10 * i} for i in range(8)]}
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")  # config ids are positions in it, as the launcher maps them
+    text = "\n".join(device_report(run_dir, usage))
+    assert "trainer (actor, ref): 1 task(s), cuda device_ids [0], strategy fsdp" in text
+    assert "device 0 = GPU 4 (H100): 4.0 of 80.0 GiB used, 40% busy" in text
+    assert "device 1 = GPU 5 (H100): 5.0 of 80.0 GiB used, 50% busy" in text
+    assert "reward (reward): 1 task(s), cpu device_ids [3]" in text  # CPU roles: no GPU lines
+    unknown = "\n".join(device_report(run_dir, {"available": False, "reason": "no driver", "devices": []}))
+    assert "GPU use unknown: no driver" in unknown

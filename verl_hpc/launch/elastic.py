@@ -104,12 +104,13 @@ def resubmit(run_dir: Path, python: str | None = None):  # -> SlurmJob
     return submit(cfg, run_dir=run_dir, python=python)
 
 
-def device_report(run_dir: Path) -> list[str]:
+def device_report(run_dir: Path, gpu_usage: dict[str, Any] | None = None) -> list[str]:
     """Per-role device use for `verl-hpc status`: the plan's devices, the last logged memory gauges.
 
     What it can know from the run directory alone: which devices each process group was
     given (config.yaml, as resized), trainer rank 0's memory at its last logged step, and
-    any resize still waiting for a step boundary.
+    any resize still waiting for a step boundary. With `gpu_usage` (`get_gpu_usage()` on the
+    machine the run uses: a local run) each CUDA role's GPUs are shown with their memory.
     """
     from verl_hpc.config import load_config
     from verl_hpc.config.placement import plan_for_config
@@ -122,6 +123,8 @@ def device_report(run_dir: Path) -> list[str]:
         res = group.resources
         lines.append(f"  {group.name} ({', '.join(group.roles)}): {group.size} task(s), {res.device_type} "
                      f"device_ids {res.device_ids}, strategy {res.strategy}")
+        if res.device_type == "cuda" and gpu_usage is not None:
+            lines.extend(_gpu_lines(res.device_ids, gpu_usage))
     last = _last_metrics(run_dir / "tensorboard" / "metrics.jsonl")
     gauges = {k: v for k, v in last.items() if k.startswith(("memory/", "resource/"))}
     if gauges:
@@ -131,6 +134,27 @@ def device_report(run_dir: Path) -> list[str]:
         lines.append(f"resize pending (applied at the next step boundary): {run_dir / resize.REQUEST_FILE}")
     for entry in resize.history(run_dir):
         lines.append(f"resized after step {entry['after_step']}: {', '.join(entry['overrides'])}")
+    return lines
+
+
+def _gpu_lines(device_ids: list[int], usage: dict[str, Any]) -> list[str]:
+    """NVML's view of a role's GPUs; ids map through CUDA_VISIBLE_DEVICES as the launcher maps them."""
+    from verl_hpc.utils.resource import visible_cuda_ids
+
+    if not usage.get("available"):
+        return [f"    GPU use unknown: {usage.get('reason')}"]
+    visible = visible_cuda_ids()
+    by_index = {d["index"]: d for d in usage["devices"]}
+    lines = []
+    for device_id in device_ids:
+        physical = visible[device_id] if visible and device_id < len(visible) else device_id
+        gpu = by_index.get(physical)
+        if gpu is None:
+            lines.append(f"    device {device_id}: no such GPU here (NVML sees {len(by_index)})")
+            continue
+        busy = f", {gpu['utilization_percent']}% busy" if gpu["utilization_percent"] is not None else ""
+        lines.append(f"    device {device_id} = GPU {physical} ({gpu['name']}): {gpu['memory_used_bytes'] / 2**30:.1f} of "
+                     f"{gpu['memory_total_bytes'] / 2**30:.1f} GiB used{busy}")
     return lines
 
 
