@@ -55,6 +55,7 @@ def _train(run_dir: Path, model_dir: Path) -> list[dict[str, float]]:
     return read_jsonl_metrics(run_dir / "tensorboard" / "metrics.jsonl")
 
 
+@pytest.mark.slow
 def test_injected_oom_is_retried_smaller_and_matches_the_undisturbed_run(
         tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     baseline = _train(tmp_path / "baseline", tiny_model_dir)
@@ -74,6 +75,7 @@ def test_injected_oom_is_retried_smaller_and_matches_the_undisturbed_run(
     assert compared >= 4 * 10
 
 
+@pytest.mark.slow
 def test_generation_oom_is_retried_in_smaller_chunks(tmp_path: Path, tiny_model_dir: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     from verl_hpc.runtime.trainer import HybridTrainer
@@ -87,6 +89,7 @@ def test_generation_oom_is_retried_in_smaller_chunks(tmp_path: Path, tiny_model_
     assert result.last_metrics["resource/degrade_events"] == 1.0
 
 
+@pytest.mark.slow
 def test_floor_that_does_not_fit_fails_the_run_with_the_numbers(tmp_path: Path, tiny_model_dir: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     from verl_hpc.runtime.trainer import HybridTrainer
