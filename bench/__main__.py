@@ -29,7 +29,7 @@ def run_one(name: str, quick: bool, scratch: str | None, results: Path = RESULTS
     module = importlib.import_module(BENCHMARKS[name])
     start = time.perf_counter()
     result = module.run(quick=quick, scratch=scratch)
-    result["benchmark"] = name
+    result["benchmark"], result["quick"] = name, quick
     result["wall_s"] = time.perf_counter() - start
     result["machine"] = {"host": platform.node(), "python": platform.python_version(),
                          "platform": platform.platform(), "cpus": os.cpu_count(),

@@ -72,7 +72,7 @@ def main(settings: dict) -> None:
         temperature=1.0, max_grad_norm=1.0, max_steps=settings["max_steps"], use_cpu=True,
         logging_steps=10**6, save_strategy="no", report_to=[], disable_tqdm=True, seed=settings["seed"],
         dataloader_num_workers=0, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
-        adam_beta1=0.9, adam_beta2=0.999, gradient_checkpointing=False)
+        adam_beta1=0.9, adam_beta2=0.999, gradient_checkpointing=False, bf16=False, fp16=False)
     trainer = GRPOTrainer(model=model, reward_funcs=_answer_reward, args=config, train_dataset=data,
                           processing_class=tokenizer, callbacks=[_BlockDriver()])
     trainer.train()

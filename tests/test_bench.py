@@ -1,0 +1,75 @@
+"""`python -m bench all --quick` completes and every benchmark reports well-formed ratios.
+
+Times are never asserted (CI machines are shared and noisy); what must hold is that
+each benchmark ran its project side and its baseline in the same run, wrote its JSON
+next to a printed table, and produced finite, ordered ratio summaries.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.__main__ import BENCHMARKS
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess, Path]:
+    out = tmp_path_factory.mktemp("bench_results")
+    scratch = tmp_path_factory.mktemp("bench_scratch")
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run([sys.executable, "-m", "bench", "all", "--quick", "--out", str(out), "--dir", str(scratch)],
+                          cwd=REPO, env=env, text=True, capture_output=True, timeout=900)
+    return proc, out
+
+
+@pytest.mark.slow
+def test_bench_all_quick_completes(quick_run: tuple[subprocess.CompletedProcess, Path]) -> None:
+    proc, out = quick_run
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert sorted(p.name for p in out.glob("*.json")) == sorted(f"{name}-quick.json" for name in BENCHMARKS)
+    for name in BENCHMARKS:
+        assert f"results: {out / f'{name}-quick.json'}" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(BENCHMARKS))
+def test_bench_ratios_are_finite_and_ordered(quick_run: tuple[subprocess.CompletedProcess, Path], name: str) -> None:
+    proc, out = quick_run
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((out / f"{name}-quick.json").read_text())
+    assert result["benchmark"] == name and result["quick"] is True
+    assert {"host", "platform", "cpus", "when"} <= set(result["machine"])
+    if result.get("skipped"):  # allowed only with a reason, printed in its table
+        assert f"skipped: {result['skipped']}" in proc.stdout
+        return
+    assert result["ratios"], f"{name} reported no ratio"
+    for key, summary in result["ratios"].items():
+        values = (summary["min"], summary["median"], summary["max"])
+        assert all(math.isfinite(v) and v > 0 for v in values), (key, summary)
+        assert summary["min"] <= summary["median"] <= summary["max"], (key, summary)
+
+
+@pytest.mark.slow
+def test_bench_tables_name_targets(quick_run: tuple[subprocess.CompletedProcess, Path]) -> None:
+    proc, _ = quick_run
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for header in ("checkpoint benchmark:", "transport benchmark:", "weight sync benchmark:", "RL step benchmark:"):
+        assert header in proc.stdout
+    assert proc.stdout.count(" met") + proc.stdout.count(" MISSED") >= len(BENCHMARKS)
+
+
+@pytest.mark.slow
+def test_weight_sync_bench_checks_the_weights(quick_run: tuple[subprocess.CompletedProcess, Path]) -> None:
+    """A fast but wrong sync must not pass: the receiver's weights equal the sender's."""
+    _, out = quick_run
+    result = json.loads((out / "weight_sync-quick.json").read_text())
+    assert all(case["weights_equal"] for case in result["cases"])
