@@ -18,8 +18,8 @@ run, to one random worker (a crashed rank). The same command then restarts the r
 job would, until it finishes.
 
 What it reports: runs, interruptions delivered, runs finished, mismatched steps (goal 0), steps
-lost (logged before an interruption but not in the checkpoint the restart loaded: redone, not
-missing), hangs (a signalled run that did not exit within --exit-timeout) and orphan processes.
+lost (trained and logged by an attempt, but after the checkpoint the next start resumed from:
+computed again, never missing from the result), hangs (a signalled run that did not exit within --exit-timeout) and orphan processes.
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ class Hit:
     exit_code: int | None = None
     last_logged: int = 0
     resumed_from: int = 0
+    redone: int = 0  # steps this attempt logged past the checkpoint the next start resumes from
     hung: bool = False
     orphans: int = 0
 
@@ -69,7 +70,7 @@ class RunReport:
 
     @property
     def steps_lost(self) -> int:
-        return sum(max(0, h.last_logged - h.resumed_from) for h in self.hits if h.delivered)
+        return sum(h.redone for h in self.hits)
 
 
 def train_command(layout: str, run_dir: Path, model: Path, steps: int, interval: int) -> list[str]:
@@ -196,6 +197,11 @@ def reap(proc: subprocess.Popen, run_dir: Path, timeout: float) -> tuple[int | N
     return code, hung, len(orphans)
 
 
+def _identity(row: dict) -> tuple:
+    """A logged step, told apart from the same step redone later by its wall-clock reading."""
+    return row["step"], row.get("timing_s/step")
+
+
 def compare(whole: list[dict], got: list[dict]) -> list[str]:
     """Every step's non-volatile metrics must be equal, bit for bit."""
     problems = []
@@ -224,12 +230,14 @@ def storm_run(layout: str, seed: int, out: Path, model: Path, args: argparse.Nam
             break
         if hit.moment == "startup" and committed_step(run_dir):
             hit.moment = "restore"
+        before = {_identity(r) for r in metrics(run_dir)}
         hit.delivered = wait_for_moment(proc, run_dir, hit.moment, rng, baseline["startup_s"], baseline["step_s"])
         if hit.delivered:
             hit.target = deliver(proc, hit.signal, rng)
         hit.exit_code, hit.hung, hit.orphans = reap(proc, run_dir, args.exit_timeout)
         rows = metrics(run_dir)
         hit.last_logged, hit.resumed_from = (rows[-1]["step"] if rows else 0), committed_step(run_dir)
+        hit.redone = sum(1 for r in rows if _identity(r) not in before and r["step"] > hit.resumed_from)
         report.hits.append(hit)
     report.mismatches = compare(baseline["metrics"], metrics(run_dir)) if report.finished else []
     return report
