@@ -25,6 +25,7 @@ import os
 import shutil
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -182,6 +183,48 @@ def _phase_medians(rows: list[dict[str, float]]) -> dict[str, float]:
     return {k: statistics.median([r.get(k, 0.0) for r in rows]) for k in keys}
 
 
+def _split_run(preset: str, model_dir: Path, steps: int, run_dir: Path) -> list[float]:
+    """verl-hpc's distributed runtime, split placement, `max_staleness: 1`: the trainer's s/step.
+
+    Actor, rollout and reward each in their own process (one thread each): generation of
+    step k+1 runs while step k trains. Start-up is outside the steps' timers.
+    """
+    overrides = [f"model.path={model_dir}", f"model.init_preset={preset}", f"trainer.total_steps={steps}",
+                 "algorithm.max_staleness=1", f"algorithm.sampling.max_new_tokens={NEW_TOKENS}",
+                 "algorithm.kl.coef=0", "algorithm.entropy_coef=0", f"trainer.torch_threads={THREADS}",
+                 "resources.actor.device_ids=[0]", "resources.rollout.device_ids=[1]",
+                 "resources.reward.device_ids=[2]", "trainer.save_hf_model=false", "logging.progress=off",
+                 "trainer.actor_optim.grad_clip=1.0", f"trainer.actor_optim.lr={LR}"]
+    cmd = [sys.executable, "-m", "verl_hpc", "train", str(HERE.parent / "configs" / "quickstart_split.yaml"),
+           "--run-dir", str(run_dir), *overrides]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800,
+                          env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    if proc.returncode != 0:
+        raise RuntimeError(f"split run failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    from verl_hpc.metrics.tensorboard import read_jsonl_metrics
+
+    return [r["timing_s/step"] for r in read_jsonl_metrics(run_dir / "tensorboard" / "metrics.jsonl")]
+
+
+def measure_overlap(preset: str, reps: int, steps: int, work: Path) -> dict[str, Any]:
+    """Alternate a floor block and a split max_staleness=1 run; ratio = floor s/step / overlapped s/step."""
+    from verl_hpc.models.tiny import init_model
+
+    torch.set_num_threads(THREADS)
+    model_dir = Path.home() / ".cache" / "verl-hpc" / "models" / f"{preset}-seed0"
+    init_model(model_dir, preset=preset, seed=0)
+    examples = make_examples(512, 4, 0)
+    floor = Floor(model_dir, [e["prompt"] for e in examples])
+    floor.step()  # warm-up
+    floor_s, split_s = [], []
+    for rep in range(reps):
+        floor_s.append(statistics.median([floor.step() for _ in range(steps)]))
+        split_s.append(statistics.median(_split_run(preset, model_dir, steps + 2, work / f"split-{preset}-{rep}")[2:]))
+    ratios = [f / o for f, o in zip(floor_s, split_s, strict=True)]
+    return {"preset": preset, "floor_s": _summary(floor_s), "overlapped_s": _summary(split_s),
+            "ratios": {"throughput_overlapped_vs_floor": _summary(ratios)}}
+
+
 def _summary(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
@@ -208,13 +251,14 @@ def run(quick: bool = False, scratch: str | None = None) -> dict[str, Any]:
         else:
             cases = [measure("tiny", reps=12, block=1, with_trl=True, work=work),
                      measure("small", reps=5, block=1, with_trl=True, work=work)]
+        overlap = [] if quick else [measure_overlap("tiny", 3, 10, work), measure_overlap("small", 2, 6, work)]
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    ratios = {f"{k}_{c['preset']}": v for c in cases for k, v in c["ratios"].items()}
+    ratios = {f"{k}_{c['preset']}": v for c in [*cases, *overlap] for k, v in c["ratios"].items()}
     return {"quick": quick, "setup": {"prompts": PROMPTS, "n": N, "max_new_tokens": NEW_TOKENS, "lr": LR,
                                       "threads": THREADS},
             "targets": {"verl_hpc_vs_floor": FLOOR_TARGET, "throughput_verl_hpc_vs_trl": TRL_TARGET},
-            "cases": cases, "ratios": ratios}
+            "cases": cases, "overlap": overlap, "ratios": ratios}
 
 
 def table(result: dict[str, Any]) -> str:
@@ -237,4 +281,9 @@ def table(result: dict[str, Any]) -> str:
             lines.append(f"{'':<27}{key:<30}{r['median']:>6.2f} ({r['min']:.2f}-{r['max']:.2f}){verdict}")
         if c["trl_skipped"]:
             lines.append(f"{'':<27}TRL skipped: {c['trl_skipped']}")
+    for o in result.get("overlap", []):
+        r = o["ratios"]["throughput_overlapped_vs_floor"]
+        lines.append(f"{o['preset']:<7} split, max_staleness 1: {o['overlapped_s']['median']:.3f} s/step vs floor "
+                     f"{o['floor_s']['median']:.3f}: throughput {r['median']:.2f}x the floor "
+                     f"({r['min']:.2f}-{r['max']:.2f})  target > 1 {'met' if r['median'] > 1 else 'MISSED'}")
     return "\n".join(lines)
