@@ -20,7 +20,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 BENCHMARKS = {"checkpoint": "bench.checkpoint", "transport": "bench.transport",
-              "weight_sync": "bench.weight_sync", "step": "bench.step", "rollout": "bench.rollout"}
+              "weight_sync": "bench.weight_sync", "step": "bench.step", "rollout": "bench.rollout",
+              "scaling": "bench.scaling"}
 RESULTS = Path(__file__).resolve().parent / "results"
 
 

@@ -62,7 +62,8 @@ def test_bench_ratios_are_finite_and_ordered(quick_run: tuple[subprocess.Complet
 def test_bench_tables_name_targets(quick_run: tuple[subprocess.CompletedProcess, Path]) -> None:
     proc, _ = quick_run
     assert proc.returncode == 0, proc.stderr[-3000:]
-    for header in ("checkpoint benchmark:", "transport benchmark:", "weight sync benchmark:", "RL step benchmark:"):
+    for header in ("checkpoint benchmark:", "transport benchmark:", "weight sync benchmark:", "RL step benchmark:",
+                   "scaling benchmark:"):
         assert header in proc.stdout
     assert proc.stdout.count(" met") + proc.stdout.count(" MISSED") >= len(BENCHMARKS)
 
