@@ -255,6 +255,10 @@ def _step(plan: ProcessPlan) -> list[str]:
         'wait "$step_pid"  # bash keeps the status of a reaped child: this is the step\'s exit status',
         "status=$?",
         'echo "verl-hpc: job step exited with status $status at $(date \'+%F %T\')"',
+        "# srun names a failed task by number (\"task 2: Killed\"): say which role that number is.",
+        'if [ "$status" != 0 ]; then',
+        f'  echo "verl-hpc: task numbers are global ranks: {rank_map(plan)}"',
+        "fi",
         "# `verl-hpc resize` stopped the run at a step boundary, after a checkpoint: a Slurm job cannot",
         "# change its shape, so submit the resized job (same run directory; it resumes) and end this one.",
         'if [ "$status" = 0 ] && [ -f "$VERL_HPC_RUN_DIR/resize_accepted.yaml" ]; then',
@@ -262,6 +266,17 @@ def _step(plan: ProcessPlan) -> list[str]:
         "fi",
         'exit "$status"',
     ]
+
+
+def rank_map(plan: ProcessPlan) -> str:
+    """'0-1 trainer (actor, ref); 2 rollout (rollout)': which global ranks run which roles."""
+    parts, start = [], 0
+    for group in plan.groups:
+        end = start + group.size - 1
+        span = str(start) if end == start else f"{start}-{end}"
+        parts.append(f"{span} {group.name} ({', '.join(group.roles)})")
+        start = end + 1
+    return "; ".join(parts)
 
 
 def _count(number: int, noun: str) -> str:
