@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from verl_hpc.config import ResourceConfig, RoleResources
 from verl_hpc.config.placement import plan_processes
-from verl_hpc.runtime.heartbeat import Heartbeat, is_timeout
+from verl_hpc.runtime.heartbeat import Heartbeat, is_peer_lost, is_timeout
 
 
 def _plan():
@@ -73,3 +73,9 @@ def test_pulse_thread_refreshes_until_closed() -> None:
     frozen = float(store.get("verl_hpc/pulse/1"))
     time.sleep(0.1)
     assert float(store.get("verl_hpc/pulse/1")) == frozen
+
+
+def test_lost_peers_are_recognised() -> None:
+    assert is_peer_lost(RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:1"))
+    assert is_peer_lost(ConnectionResetError("reset"))
+    assert not is_peer_lost(RuntimeError("shape mismatch"))

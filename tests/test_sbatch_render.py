@@ -109,7 +109,7 @@ def test_job_wide_flags_and_the_step_over_all_components() -> None:
     assert opts["signal"] == "B:USR1@77" and opts["time"] == "01:30:00"
     assert opts["output"] == "/scratch/runs/x/slurm/%j_batch.out" and opts["open-mode"] == "append"
     assert "requeue" in opts and opts["job-name"] == "verl-hpc-local"
-    step = ('srun --het-group=0-2 --kill-on-bad-exit=1 bash -c \'trap "" USR1 USR2; exec "$@"\' worker '
+    step = ('srun --het-group=0-2 --kill-on-bad-exit=0 bash -c \'trap "" USR1 USR2; exec "$@"\' worker '
             '"$VERL_HPC_PYTHON" -m verl_hpc.runtime.worker &')
     assert step in script
     assert 'export VERL_HPC_LOG_DIR="/scratch/runs/x/slurm/logs"' in script
@@ -135,7 +135,7 @@ def test_one_group_is_a_plain_job_without_het_group() -> None:
     script = render("slurm_grpo_colocated")
     assert len(components(script)) == 1
     assert "--het-group" not in script  # Slurm refuses it outside a hetjob
-    assert 'srun --kill-on-bad-exit=1 bash -c' in script
+    assert 'srun --kill-on-bad-exit=0 bash -c' in script
 
 
 def test_cuda_roles_ask_for_gpus_per_node() -> None:

@@ -233,13 +233,16 @@ def _step(plan: ProcessPlan) -> list[str]:
     count = len(plan.groups)
     if count > 1:
         comment = f"# One job step over all {count} components: {plan.world_size} tasks, one process group."
-        srun = f"srun --het-group=0-{count - 1} --kill-on-bad-exit=1"
+        srun = f"srun --het-group=0-{count - 1} --kill-on-bad-exit=0"
     else:
         comment = f"# One job step: {plan.world_size} tasks, one process group."
-        srun = "srun --kill-on-bad-exit=1"
+        srun = "srun --kill-on-bad-exit=0"
     return [
         comment,
         "# In the background, because bash runs a trap only once the foreground command is done.",
+        "# Not --kill-on-bad-exit: when a task dies, the others find out in their next collective and",
+        "# fail within resources.timeout_seconds naming the rank that stopped (srun would SIGKILL them",
+        "# first, and its message numbers tasks per component, which names nobody).",
         f'{srun} bash -c \'trap "" USR1 USR2; exec "$@"\' worker "$VERL_HPC_PYTHON" -m {WORKER_MODULE} &',
         "step_pid=$!",
         "# `wait` returns early whenever a trapped signal arrives: wait again while the step runs.",
@@ -255,9 +258,10 @@ def _step(plan: ProcessPlan) -> list[str]:
         'wait "$step_pid"  # bash keeps the status of a reaped child: this is the step\'s exit status',
         "status=$?",
         'echo "verl-hpc: job step exited with status $status at $(date \'+%F %T\')"',
-        "# srun names a failed task by number (\"task 2: Killed\"): say which role that number is.",
+        "# On failure: the ranks' roles, and the first rank the survivors named (from their logs).",
         'if [ "$status" != 0 ]; then',
-        f'  echo "verl-hpc: task numbers are global ranks: {rank_map(plan)}"',
+        f'  echo "verl-hpc: global ranks: {rank_map(plan)}"',
+        '  grep -h -m1 -o "suspect: .*" "$VERL_HPC_LOG_DIR"/*.out 2>/dev/null | head -n 1 | sed "s/^/verl-hpc: /" || true',
         "fi",
         "# `verl-hpc resize` stopped the run at a step boundary, after a checkpoint: a Slurm job cannot",
         "# change its shape, so submit the resized job (same run directory; it resumes) and end this one.",

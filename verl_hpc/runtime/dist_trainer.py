@@ -43,7 +43,14 @@ from verl_hpc.runtime.checkpointing import reseed, seed_all
 from verl_hpc.runtime.dist import DistContext
 from verl_hpc.runtime.dist_lifecycle import DistLifecycle
 from verl_hpc.runtime.dist_roles import STOP_PAYLOAD, build_roles
-from verl_hpc.runtime.heartbeat import Heartbeat, StallError, is_timeout
+from verl_hpc.runtime.heartbeat import (
+    PULSE_SECONDS,
+    STALE_PULSES,
+    Heartbeat,
+    StallError,
+    is_peer_lost,
+    is_timeout,
+)
 from verl_hpc.runtime.signals import REQUEUE_SIGNALS, StopFlag, requeue
 from verl_hpc.runtime.step_metrics import data_metrics, perf_metrics, sync_metrics
 from verl_hpc.runtime.trainer import Timer
@@ -152,14 +159,16 @@ class DistributedTrainer(DistLifecycle):
         return "rollout" not in self.ctx.plan.groups[0].roles
 
     def guarded_step(self) -> dict[str, float]:
-        """`train_step`, with any timeout turned into an error that names the stuck rank."""
+        """`train_step`, with a timeout or a lost peer turned into an error that names the suspect."""
         try:
             return self.train_step()
-        except (RuntimeError, TimeoutError) as err:
-            if not is_timeout(err):
+        except (RuntimeError, TimeoutError, ConnectionError) as err:
+            if not (is_timeout(err) or is_peer_lost(err)):
                 raise
-            raise StallError(f"step {self.step} timed out on {self.ctx.group.name} rank {self.ctx.env.rank}: "
-                             f"{str(err).splitlines()[0][:300]} -- {self.heartbeat.describe_stall()}") from err
+            what = "timed out" if is_timeout(err) else "lost a peer"
+            settle = 0.0 if is_timeout(err) else STALE_PULSES * PULSE_SECONDS + 1.0  # let its pulse go stale
+            raise StallError(f"step {self.step} {what} on {self.ctx.group.name} rank {self.ctx.env.rank}: "
+                             f"{str(err).splitlines()[0][:300]} -- {self.heartbeat.describe_stall(settle)}") from err
 
     def train_step(self) -> dict[str, float]:
         """One step of this rank's part; returns metrics on trainer rank 0 (else {})."""

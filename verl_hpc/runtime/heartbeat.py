@@ -78,12 +78,24 @@ class Heartbeat:
             return None
         return found
 
-    def describe_stall(self) -> str:
-        """One line naming the suspect and every rank's last phase."""
+    def describe_stall(self, settle: float = 0.0) -> str:
+        """One line naming the suspect and every rank's last phase.
+
+        `settle`: seconds to wait for a dead rank's pulse to go stale — a lost peer is
+        noticed at once, before its silence shows; a timeout has waited long enough.
+        """
+        deadline = time.monotonic() + settle
+        while True:
+            line, frozen = self._describe()
+            if frozen or time.monotonic() >= deadline:
+                return line
+            time.sleep(PULSE_SECONDS / 2)
+
+    def _describe(self) -> tuple[str, bool]:
         phases, pulses = self._read(_PHASE_KEY), self._read(_PULSE_KEY)
         if phases is None or pulses is None:
             group = self.plan.locate(0)[0].name
-            return f"suspect: {group} rank 0 (the rendezvous store in its process does not answer)"
+            return f"suspect: {group} rank 0 (the rendezvous store in its process does not answer)", True
         entries = {rank: tuple(json.loads(raw)) for rank, raw in phases.items()}
         beats = {rank: float(raw) for rank, raw in pulses.items()}
         now = time.time()
@@ -91,7 +103,7 @@ class Heartbeat:
         group = self.plan.locate(suspect)[0].name
         where = "; ".join(f"{self.plan.locate(r)[0].name} rank {r}: {p} ({now - t:.1f}s ago)"
                           for r, (p, t) in sorted(entries.items()))
-        return f"suspect: {group} rank {suspect} ({why}); last phases: {where}"
+        return f"suspect: {group} rank {suspect} ({why}); last phases: {where}", why.startswith("frozen")
 
 
 def _suspect(world_size: int, entries: dict[int, tuple[str, float]], beats: dict[int, float],
@@ -114,6 +126,15 @@ def _suspect(world_size: int, entries: dict[int, tuple[str, float]], beats: dict
 def is_timeout(err: BaseException) -> bool:
     text = str(err)
     return isinstance(err, TimeoutError) or "Timed out" in text or "timed out" in text
+
+
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Connection refused",
+              "UNAVAILABLE", "Socket closed")
+
+
+def is_peer_lost(err: BaseException) -> bool:
+    """A collective or transfer failed because a peer process is gone (killed, crashed)."""
+    return isinstance(err, ConnectionError) or any(marker in str(err) for marker in _PEER_LOST)
 
 
 class StallError(RuntimeError):
