@@ -137,6 +137,18 @@ class DistLifecycle:
             resize.accept(self.run_dir, self.step)
         return resize.RESIZE_REASON
 
+    def save_hf_model(self) -> None:
+        """The trained actor as a Hugging Face directory (every trainer rank joins the gathers)."""
+        from verl_hpc.checkpoint.hf_export import save_hf_directory
+        from verl_hpc.config.checks import expand_path
+        from verl_hpc.runtime.components import DTYPES
+
+        model = self.roles.export_model(str(expand_path(self.cfg.model.path)), DTYPES[self.cfg.model.dtype],
+                                        self.is_leader)
+        if model is not None:
+            save_hf_directory(model, self.roles.tokenizer, self.run_dir / "hf_model")
+            log.info("saved %s", self.run_dir / "hf_model")
+
     def stop_others(self) -> None:
         """Best effort: tell the reward and rollout ranks to stop, never waiting long on them."""
         ctx, roles = self.ctx, self.roles

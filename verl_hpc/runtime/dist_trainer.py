@@ -388,17 +388,6 @@ class DistributedTrainer(DistLifecycle):
             return
         self.last_sync_bytes = push_weights(tensors, engine, version)
 
-    def save_hf_model(self) -> None:
-        from verl_hpc.checkpoint.hf_export import save_hf_directory
-        from verl_hpc.config.checks import expand_path
-        from verl_hpc.runtime.components import DTYPES
-
-        model = self.roles.export_model(str(expand_path(self.cfg.model.path)), DTYPES[self.cfg.model.dtype],
-                                        self.is_leader)
-        if model is not None:
-            save_hf_directory(model, self.roles.tokenizer, self.run_dir / "hf_model")
-            log.info("saved %s", self.run_dir / "hf_model")
-
 
 def _default_store():
     try:

@@ -23,8 +23,7 @@ import logging
 import socket
 import threading
 import time
-from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from types import TracebackType
 from typing import Any
 from urllib.parse import urlparse
@@ -33,12 +32,12 @@ import pyarrow as pa
 import pyarrow.flight as flight
 
 from verl_hpc.data.rollout_batch import SCHEMA, RolloutBatch, SchemaError, validate
+from verl_hpc.data.transport.buffer import RolloutBuffer
 
 log = logging.getLogger(__name__)
 
 DESCRIPTOR_ROOT = b"rollouts"
 _AUTH_HEADER = "authorization"
-_WAIT_SLICE_S = 0.1  # how often a blocked put re-checks whether its client went away
 # Why puts are cut into ~4 MB record batches: one huge gRPC message is copied and
 # flow-controlled as a unit (about 1 GB/s on loopback here), while a stream of 4 MB
 # messages pipelines sender, wire and receiver (2-4x faster for 64 MB+; bench/transport.py).
@@ -67,113 +66,6 @@ class _BearerTokenMiddlewareFactory(flight.ServerMiddlewareFactory):
                 "rollout transport: missing or wrong bearer token (the token is in "
                 "<run_dir>/secrets/flight_token)")
         return None
-
-
-class _SeenSequences:
-    """Per-producer set of sequence numbers, compacted below a contiguous watermark.
-
-    Why compacted: producers number their puts 0, 1, 2, ...; remembering only the
-    first gap plus the few numbers above it keeps memory flat over a long run.
-    """
-
-    def __init__(self) -> None:
-        self._low: dict[str, int] = {}
-        self._above: dict[str, set[int]] = {}
-
-    def __contains__(self, key: tuple[str, int]) -> bool:
-        producer, seq = key
-        return seq < self._low.get(producer, 0) or seq in self._above.get(producer, ())
-
-    def add(self, key: tuple[str, int]) -> None:
-        producer, seq = key
-        low, above = self._low.get(producer, 0), self._above.setdefault(producer, set())
-        above.add(seq)
-        while low in above:
-            above.remove(low)
-            low += 1
-        self._low[producer] = low
-
-
-class _RolloutBuffer:
-    """The bounded, deduplicating FIFO between Flight handler threads and the trainer."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self._cond = threading.Condition()
-        self._queue: deque[RolloutBatch] = deque()
-        self._seen = _SeenSequences()
-        self._last_heard: dict[str, float] = {}
-        self._closed = False
-        self._waiting = 0
-        self.counts = {"received": 0, "duplicates": 0, "consumed": 0, "rejected": 0}
-
-    def offer(self, key: tuple[str, int], batch: RolloutBatch, cancelled: Callable[[], bool]) -> str:
-        """Enqueue unless already seen; block while full. Returns "queued" or "duplicate".
-
-        Why the seen-check sits inside the wait loop: a retry can arrive while the
-        original put is still blocked; whichever gets space first enqueues, the other
-        then sees the key as seen and is acknowledged as a duplicate.
-        """
-        with self._cond:
-            self._last_heard[key[0]] = time.monotonic()
-            self._waiting += 1
-            try:
-                while True:
-                    if key in self._seen:
-                        self.counts["duplicates"] += 1
-                        return "duplicate"
-                    if self._closed:
-                        raise flight.FlightUnavailableError("rollout server is shutting down")
-                    if len(self._queue) < self.capacity:
-                        self._queue.append(batch)
-                        self._seen.add(key)
-                        self.counts["received"] += 1
-                        self._cond.notify_all()
-                        return "queued"
-                    if cancelled():  # the producer timed out or died; free this handler
-                        raise flight.FlightCancelledError("producer went away while the buffer was full")
-                    self._cond.wait(_WAIT_SLICE_S)
-            finally:
-                self._waiting -= 1
-
-    def get(self, timeout: float | None) -> RolloutBatch:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
-            while not self._queue:
-                if self._closed:
-                    raise RuntimeError("rollout server is shut down and its buffer is empty")
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    raise TimeoutError(f"no rollout batch arrived within {timeout:.1f} s; "
-                                       f"producers heard from so far: {self._describe_producers()}")
-                self._cond.wait(remaining)
-            batch = self._queue.popleft()
-            self.counts["consumed"] += 1
-            self._cond.notify_all()  # wake producers blocked on a full buffer
-            return batch
-
-    def _describe_producers(self) -> str:
-        now = time.monotonic()
-        heard = sorted(self._last_heard.items(), key=lambda kv: kv[0])
-        return ", ".join(f"{p} (last {now - t:.1f} s ago)" for p, t in heard) or "none"
-
-    def qsize(self) -> int:
-        with self._cond:
-            return len(self._queue)
-
-    def reject(self) -> None:
-        with self._cond:
-            self.counts["rejected"] += 1
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-
-    def stats(self) -> dict[str, Any]:
-        with self._cond:
-            return {**self.counts, "queued": len(self._queue), "capacity": self.capacity,
-                    "waiting_puts": self._waiting, "producers": sorted(self._last_heard)}
 
 
 def _parse_descriptor(descriptor: flight.FlightDescriptor) -> tuple[str, int]:
@@ -245,7 +137,7 @@ class RolloutFlightServer(flight.FlightServerBase):
             raise ValueError("RolloutFlightServer needs a non-empty token (see create_run_secret)")
         if capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {capacity}")
-        self._buffer = _RolloutBuffer(capacity)
+        self._buffer = RolloutBuffer(capacity)
         self._host = urlparse(location).hostname or "127.0.0.1"
         self._stop_lock = threading.Lock()
         self._stopped = False
