@@ -51,7 +51,9 @@ def main() -> int:
     print("\nresources:")
     print(dump_config(cfg.resources))
     shipped = verl_hpc.load_config(CONFIG).resources
-    same = cfg.resources.actor == shipped.actor and cfg.resources.rollout == shipped.rollout
+    rollout = cfg.resources.rollout.model_copy(update={"strategy": shipped.rollout.strategy,  # the engine aside
+                                                       "vllm_args": shipped.rollout.vllm_args})
+    same = cfg.resources.actor == shipped.actor and rollout == shipped.rollout
     print(f"actor and rollout identical to the shipped config's: {same}")
     groups = ", ".join(f"{g.name} x{g.size}" for g in plan_for_config(cfg).groups)
     print(f"process groups: {groups}; the reward group runs {cfg.reward.function}")

@@ -125,14 +125,9 @@ class DistributedTrainer(DistLifecycle):
             self.step += 1
             reseed(cfg.trainer.seed, self.step, ctx.env.rank if not ctx.is_role("rollout") else
                    1000 + ctx.rank_in_group)
-            metrics = self.guarded_step()
+            metrics, signum, resizing = self.guarded_step()
             if self.stopping:  # a rollout or reward rank was told to stop by the trainer
                 return "stop requested by the trainer"
-            signum = self.stop.agreed(ctx.process_group) if ctx.is_role("actor") else None
-            resizing = not signum and ctx.is_role("actor") and self.resize_agreed()
-            if self.checkpointer is not None and (signum or resizing):
-                self.checkpointer.requested = True
-            self.maybe_save(metrics)
             if logger is not None and progress is not None:
                 logger.log_scalars(self.step, metrics)
                 progress.update(self.step, {"score": metrics["critic/score/mean"],
@@ -158,10 +153,10 @@ class DistributedTrainer(DistLifecycle):
     def split(self) -> bool:
         return "rollout" not in self.ctx.plan.groups[0].roles
 
-    def guarded_step(self) -> dict[str, float]:
-        """`train_step`, with a timeout or a lost peer turned into an error that names the suspect."""
+    def guarded_step(self) -> tuple[dict[str, float], int | None, bool]:
+        """`step_and_agree`, with a timeout or a lost peer turned into an error naming the suspect."""
         try:
-            return self.train_step()
+            return self.step_and_agree()
         except (RuntimeError, TimeoutError, ConnectionError) as err:
             if not (is_timeout(err) or is_peer_lost(err)):
                 raise
@@ -169,6 +164,20 @@ class DistributedTrainer(DistLifecycle):
             settle = 0.0 if is_timeout(err) else STALE_PULSES * PULSE_SECONDS + 1.0  # let its pulse go stale
             raise StallError(f"step {self.step} {what} on {self.ctx.group.name} rank {self.ctx.env.rank}: "
                              f"{str(err).splitlines()[0][:300]} -- {self.heartbeat.describe_stall(settle)}") from err
+
+    def step_and_agree(self) -> tuple[dict[str, float], int | None, bool]:
+        """One step, then the collectives that close it: stop and resize agreement, checkpoint."""
+        metrics = self.train_step()
+        ctx = self.ctx
+        if self.stopping or not ctx.is_role("actor"):
+            return metrics, None, False
+        self.heartbeat.enter(f"step {self.step} agree")
+        signum = self.stop.agreed(ctx.process_group)
+        resizing = not signum and self.resize_agreed()
+        if self.checkpointer is not None and (signum or resizing):
+            self.checkpointer.requested = True
+        self.maybe_save(metrics)
+        return metrics, signum, resizing
 
     def train_step(self) -> dict[str, float]:
         """One step of this rank's part; returns metrics on trainer rank 0 (else {})."""
