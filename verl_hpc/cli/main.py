@@ -58,7 +58,10 @@ def _cmd_train(args: argparse.Namespace) -> int:
     try:
         result = train(cfg, run_dir=args.run_dir)
     except (WorkerFailure, CheckpointError) as failure:  # a checkpoint write failed: disk full, I/O error
-        print(f"verl-hpc: error: {failure}", file=sys.stderr)
+        # A leading newline: torch's writer threads may still be printing their own traceback,
+        # and our one line must start a line of its own.
+        sys.stderr.flush()
+        print(f"\nverl-hpc: error: {failure}", file=sys.stderr, flush=True)
         return 1
     score = result.last_metrics.get("critic/score/mean")
     print(f"run directory: {result.run_dir}")
