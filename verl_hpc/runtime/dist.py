@@ -94,7 +94,7 @@ class DistContext:
         seq = self._barrier_counts.get(name, 0) + 1
         self._barrier_counts[name] = seq
         key = f"{_KEY_PREFIX}/{name}/{seq}"
-        store = _store()
+        store = default_store()
         _store_call(lambda: store.append(key, f"{self.env.rank} "))
         try:
             dist.monitored_barrier(group=self.control_group, timeout=timedelta(seconds=timeout),
@@ -141,7 +141,7 @@ class DistContext:
             dist.destroy_process_group()
 
 
-def _store() -> dist.Store | None:
+def default_store() -> dist.Store | None:
     """The rendezvous store of the default group (private in torch, stable since 1.x)."""
     try:
         return dist.distributed_c10d._get_default_store()

@@ -40,7 +40,7 @@ from verl_hpc.roles.weight_sync import (
     receive_weights,
 )
 from verl_hpc.runtime.checkpointing import reseed, seed_all
-from verl_hpc.runtime.dist import DistContext
+from verl_hpc.runtime.dist import DistContext, default_store
 from verl_hpc.runtime.dist_lifecycle import DistLifecycle
 from verl_hpc.runtime.dist_roles import STOP_PAYLOAD, build_roles
 from verl_hpc.runtime.heartbeat import (
@@ -91,7 +91,7 @@ class DistributedTrainer(DistLifecycle):
         self.rollout_logger = MetricsLogger(self.run_dir / "tensorboard" / f"rollout_rank{ctx.env.rank}",
                                             cfg.logging.tensorboard) \
             if self.split and ctx.is_role("rollout") and ctx.rank_in_group == 0 else None
-        self.heartbeat = Heartbeat(ctx.plan, ctx.env.rank, _default_store())
+        self.heartbeat = Heartbeat(ctx.plan, ctx.env.rank, default_store())
         self.heartbeat.start()
         self.checkpointer = self.make_checkpointer() if ctx.is_role("actor") else None
         if self._own_stop:
@@ -397,12 +397,6 @@ class DistributedTrainer(DistLifecycle):
             return
         self.last_sync_bytes = push_weights(tensors, engine, version)
 
-
-def _default_store():
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except (AttributeError, RuntimeError, ValueError):
-        return None
 
 
 def _sorted_by_group(batch: RolloutBatch) -> RolloutBatch:
