@@ -68,6 +68,21 @@ EXIT_STOPPED_UNFINISHED = 3  # under Slurm: stopped with a checkpoint, but not r
 REQUEUE_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
 
 
+def ignore_notices_until_exit(signals: tuple[signal.Signals, ...] = REQUEUE_SIGNALS) -> None:
+    """Ignore USR1/USR2 (SIG_IGN) from now until the process is gone; call it as `main` returns.
+
+    Why: CPython's finalization puts SIG_DFL back for every signal with a Python handler
+    before its garbage collection and module teardown (1-2 s with torch loaded, longer on
+    a busy machine), and the default action of USR1 is to terminate. The batch script
+    repeats USR1 to the step every 5 s until the step ends, so a worker that finished
+    while a notice was pending could die of "User defined signal 1" on its way out and
+    turn a COMPLETED job into a FAILED one. Finalization leaves ignored signals alone.
+    TERM keeps its handler (and then the default): it means "end now".
+    """
+    for sig in signals:
+        signal.signal(sig, signal.SIG_IGN)
+
+
 def requeue(env: JobEnvironment, max_requeues: int, signum: int = signal.SIGUSR1) -> tuple[bool, str]:
     """Ask Slurm to requeue this job (leader only): (requeued?, what happened in one line).
 

@@ -25,7 +25,7 @@ from verl_hpc.config.placement import plan_for_config  # noqa: E402
 from verl_hpc.runtime.dist import init_distributed  # noqa: E402
 from verl_hpc.runtime.dist_trainer import DistributedTrainer  # noqa: E402
 from verl_hpc.runtime.env import JobEnvironment  # noqa: E402
-from verl_hpc.runtime.signals import EXIT_STOPPED_UNFINISHED, StopFlag  # noqa: E402
+from verl_hpc.runtime.signals import EXIT_STOPPED_UNFINISHED, StopFlag, ignore_notices_until_exit  # noqa: E402
 from verl_hpc.utils.logging import get_logger, setup_logging  # noqa: E402
 
 
@@ -103,5 +103,14 @@ def main() -> int:
     return 0
 
 
+def run() -> int:
+    """`main`, then USR1/USR2 ignored for the rest of the process: the batch script may still be
+    repeating a notice while Python tears down, when its handlers are already gone."""
+    try:
+        return main()
+    finally:
+        ignore_notices_until_exit()
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run())

@@ -1,0 +1,61 @@
+"""A worker never dies of SIGUSR1, not even on its way out (the requeue-test flake).
+
+Under Slurm the batch shell repeats USR1 to the job step every 5 s until the step ends
+(a notice sent before the workers were ready must not be lost). CPython's finalization
+puts SIG_DFL back for every signal that has a Python handler *before* the garbage
+collection and module teardown (seconds with torch loaded on a busy machine), and the
+default action of USR1 is to terminate: a worker that finished its run while a notice
+was pending died of "User defined signal 1" and the job ended FAILED instead of
+COMPLETED. The tests send USR1 from inside that window, so the outcome is deterministic.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+# Runs at interpreter finalization (module teardown), after CPython's signal clean-up:
+# sends USR1 to its own process and says whether it lived through it.
+LATE_USR1 = """
+import os, signal
+class _Late:
+    def __del__(self, kill=os.kill, pid=os.getpid(), sig=signal.SIGUSR1, write=os.write):
+        kill(pid, sig)
+        write(1, b"survived the late USR1\\n")
+_late = _Late()
+"""
+
+
+def run_python(code: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", code], cwd=REPO, text=True, capture_output=True, timeout=120,
+                          env={**os.environ, **(env or {})}, check=False)
+
+
+def test_a_recording_handler_does_not_protect_the_exit() -> None:
+    """The window exists: StopFlag's handler is gone by the time the process tears down."""
+    code = LATE_USR1 + "from verl_hpc.runtime.signals import StopFlag\nStopFlag().install()\n"
+    done = run_python(code)
+    assert done.returncode == -signal.SIGUSR1, (done.returncode, done.stderr[-2000:])
+    assert "survived" not in done.stdout
+
+
+def test_ignore_notices_until_exit_closes_the_window() -> None:
+    code = (LATE_USR1 + "from verl_hpc.runtime.signals import StopFlag, ignore_notices_until_exit\n"
+            "StopFlag().install()\nignore_notices_until_exit()\n")
+    done = run_python(code)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert "survived the late USR1" in done.stdout
+
+
+def test_worker_entry_point_survives_usr1_while_exiting(tmp_path: Path) -> None:
+    """The real `python -m verl_hpc.runtime.worker` path, ending early (no config.yaml) so it is quick."""
+    code = LATE_USR1 + ("import runpy\nrunpy.run_module('verl_hpc.runtime.worker', run_name='__main__', "
+                        "alter_sys=True)\n")
+    done = run_python(code, env={"VERL_HPC_RUN_DIR": str(tmp_path), "VERL_HPC_LOG_DIR": ""})
+    assert done.returncode != -signal.SIGUSR1, done.stderr[-2000:]
+    assert done.returncode == 1 and "config.yaml" in done.stderr, (done.returncode, done.stderr[-2000:])
+    assert "survived the late USR1" in done.stdout
