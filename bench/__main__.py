@@ -21,7 +21,8 @@ from pathlib import Path
 
 BENCHMARKS = {"checkpoint": "bench.checkpoint", "transport": "bench.transport",
               "weight_sync": "bench.weight_sync", "step": "bench.step", "rollout": "bench.rollout",
-              "scaling": "bench.scaling", "placement": "bench.placement", "preemption": "bench.preemption"}
+              "scaling": "bench.scaling", "placement": "bench.placement",
+              "placement_gpu": "bench.placement_gpu", "preemption": "bench.preemption"}
 RESULTS = Path(__file__).resolve().parent / "results"
 
 

@@ -70,9 +70,10 @@ def _watch_peak(popen: subprocess.Popen, peak: list[int], period: float = 0.1) -
         time.sleep(period)
 
 
-def _run(placement: str, preset: str, steps: int, run_dir: Path) -> dict[str, Any]:
-    """One run of `placement`: {ok, seq_per_s, peak_rss_gb, degrade_events, processes}."""
-    config, extra = PLACEMENTS[placement]
+def _run(placement: str, preset: str, steps: int, run_dir: Path,
+         placements: dict[str, tuple[str, list[str]]] = PLACEMENTS) -> dict[str, Any]:
+    """One run of `placement`: {ok, seq_per_s, peak_rss_gb, peak_gpu_gb, degrade_events}."""
+    config, extra = placements[placement]
     model_dir = Path.home() / ".cache" / "verl-hpc" / "models" / f"{preset}-seed0"
     overrides = [f"model.path={model_dir}", f"model.init_preset={preset}", f"trainer.total_steps={steps}",
                  f"trainer.batch_size={BATCH}", f"algorithm.sampling.max_new_tokens={NEW_TOKENS}",
@@ -80,11 +81,14 @@ def _run(placement: str, preset: str, steps: int, run_dir: Path) -> dict[str, An
     cmd = [sys.executable, "-m", "verl_hpc", "train", str(CONFIGS / config), "--run-dir", str(run_dir), *overrides]
     popen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
-    peak = [0]
-    watcher = threading.Thread(target=_watch_peak, args=(popen, peak), daemon=True)
-    watcher.start()
+    peak, gpu_peak = [0], [0]
+    watchers = [threading.Thread(target=_watch_peak, args=(popen, peak), daemon=True),
+                threading.Thread(target=_watch_gpu_peak, args=(popen, gpu_peak), daemon=True)]
+    for watcher in watchers:
+        watcher.start()
     _, err = popen.communicate(timeout=1800)
-    watcher.join()
+    for watcher in watchers:
+        watcher.join()
     metrics = run_dir / "tensorboard" / "metrics.jsonl"
     rows = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
     ok = popen.returncode == 0 and len(rows) == steps
@@ -92,7 +96,7 @@ def _run(placement: str, preset: str, steps: int, run_dir: Path) -> dict[str, An
         print(f"[placement] {placement} run failed ({popen.returncode}): {err[-1500:]}", file=sys.stderr, flush=True)
     kept = rows[min(2, len(rows) - 1):] if rows else []
     step_s = statistics.median(r["timing_s/step"] for r in kept) if kept else float("nan")
-    return {"ok": ok, "seq_per_s": BATCH / step_s, "peak_rss_gb": peak[0] / 2**30,
+    return {"ok": ok, "seq_per_s": BATCH / step_s, "peak_rss_gb": peak[0] / 2**30, "peak_gpu_gb": gpu_peak[0] / 2**30,
             "degrade_events": sum(r.get("resource/degrade_events", 0.0) for r in rows)}
 
 
@@ -100,26 +104,45 @@ def _summary(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def measure(preset: str, reps: int, steps: int, work: Path) -> dict[str, Any]:
-    names = list(PLACEMENTS)
+def _watch_gpu_peak(popen: subprocess.Popen, peak: list[int], period: float = 0.1) -> None:
+    """Device memory used on GPU 0 by everything (CUDA contexts too), through NVML; no-op without it."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+    except Exception:  # no NVML library or no GPU: CPU runs report 0
+        return
+    while popen.poll() is None:
+        peak[0] = max(peak[0], int(pynvml.nvmlDeviceGetMemoryInfo(handle).used))
+        time.sleep(period)
+
+
+def measure(preset: str, reps: int, steps: int, work: Path,
+            placements: dict[str, tuple[str, list[str]]] = PLACEMENTS) -> dict[str, Any]:
+    names = list(placements)
     runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
     for rep in range(reps):
         for name in names[rep % len(names):] + names[:rep % len(names)]:
-            runs[name].append(_run(name, preset, steps, work / f"{preset}-{name}-rep{rep}"))
+            runs[name].append(_run(name, preset, steps, work / f"{preset}-{name}-rep{rep}", placements))
     rows, ratios = [], {}
     for name in names:
         good = [r for r in runs[name] if r["ok"]]
         ooms = sum(int(r["degrade_events"]) for r in runs[name]) + len(runs[name]) - len(good)
-        row: dict[str, Any] = {"placement": name, "config": PLACEMENTS[name][0], "runs": len(runs[name]),
+        row: dict[str, Any] = {"placement": name, "config": placements[name][0], "runs": len(runs[name]),
                                "oom_count": ooms}
         if good:
             row["seq_per_s"] = _summary([r["seq_per_s"] for r in good])
             row["peak_rss_gb"] = _summary([r["peak_rss_gb"] for r in good])
+            row["peak_gpu_gb"] = _summary([r["peak_gpu_gb"] for r in good])
         rows.append(row)
         pairs = [(c, r) for c, r in zip(runs["crowded"], runs[name], strict=True) if c["ok"] and r["ok"]]
         if name != "crowded" and pairs:
             ratios[f"throughput_{name}_over_crowded_{preset}"] = _summary([r["seq_per_s"] / c["seq_per_s"] for c, r in pairs])
             ratios[f"peak_rss_{name}_over_crowded_{preset}"] = _summary([r["peak_rss_gb"] / c["peak_rss_gb"] for c, r in pairs])
+            if all(c["peak_gpu_gb"] > 0 for c, _ in pairs):
+                ratios[f"peak_gpu_{name}_over_crowded_{preset}"] = _summary([r["peak_gpu_gb"] / c["peak_gpu_gb"]
+                                                                            for c, r in pairs])
     return {"preset": preset, "reps": reps, "steps": steps, "rows": rows, "ratios": ratios}
 
 

@@ -55,6 +55,10 @@ PRESETS: dict[str, ModelPreset] = {
     # ~20M parameters: compute-dominated, for benchmarks.
     "small": ModelPreset(hidden_size=512, num_layers=6, num_heads=8, num_kv_heads=4,
                          intermediate_size=1536, vocab_size=1024, max_position_embeddings=512),
+    # ~150M parameters: GPU benchmarks, where the smaller ones are all launch overhead and
+    # the placements' memory footprints (weights, grads, Adam state, KV cache) differ visibly.
+    "medium": ModelPreset(hidden_size=1024, num_layers=12, num_heads=16, num_kv_heads=4,
+                          intermediate_size=2816, vocab_size=1024, max_position_embeddings=512),
 }
 
 

@@ -86,6 +86,8 @@ def main() -> int:
     setup_logging(run_dir / "logs", group.name, env.rank, cfg.logging.level, console=rank_in_group == 0)
     env.write_debug_file(run_dir / "logs" / f"env_{group.name}_rank{env.rank}.json")
     ctx = init_distributed(env, plan, cfg.resources.resolved_backend(), cfg.resources.timeout_seconds)
+    get_logger("worker").info("joined the world: rank %d of %d, %s rank %d, backend %s", env.rank,
+                              env.world_size, group.name, rank_in_group, cfg.resources.resolved_backend())
     try:
         trainer = DistributedTrainer(cfg, ctx, run_dir, stop)
         stopped_by = trainer.train()
