@@ -23,12 +23,14 @@ BENCHMARKS = {"checkpoint": "bench.checkpoint", "transport": "bench.transport",
               "weight_sync": "bench.weight_sync", "step": "bench.step", "rollout": "bench.rollout",
               "scaling": "bench.scaling", "placement": "bench.placement",
               "placement_gpu": "bench.placement_gpu", "preemption": "bench.preemption"}
+# Not in `all`: it needs the local Slurm cluster and minutes of its time (`preemption --slurm`).
+OPT_IN = {"preemption_slurm": "bench.preemption_slurm"}
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def run_one(name: str, quick: bool, scratch: str | None, results: Path = RESULTS) -> Path:
     """Run benchmark `name`, print its table, write its JSON; returns the JSON's path."""
-    module = importlib.import_module(BENCHMARKS[name])
+    module = importlib.import_module({**BENCHMARKS, **OPT_IN}[name])
     start = time.perf_counter()
     result = module.run(quick=quick, scratch=scratch)
     result["benchmark"], result["quick"] = name, quick
@@ -48,11 +50,17 @@ def run_one(name: str, quick: bool, scratch: str | None, results: Path = RESULTS
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
-    parser.add_argument("name", choices=[*sorted(BENCHMARKS), "all"])
+    parser.add_argument("name", choices=[*sorted(BENCHMARKS), *sorted(OPT_IN), "all"])
     parser.add_argument("--quick", action="store_true", help="fewer repetitions, smaller inputs")
     parser.add_argument("--dir", help="scratch directory for files the benchmark writes (default: tmp)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="where the JSON results go (default: %(default)s)")
+    parser.add_argument("--slurm", action="store_true",
+                        help="preemption only: a real preemption on the local Slurm cluster (preemption_slurm)")
     args = parser.parse_args(argv)
+    if args.slurm:
+        if args.name != "preemption":
+            parser.error("--slurm goes with the preemption benchmark only")
+        args.name = "preemption_slurm"
     for name in BENCHMARKS if args.name == "all" else [args.name]:
         run_one(name, args.quick, args.dir, args.out)
     return 0
