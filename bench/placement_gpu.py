@@ -6,7 +6,8 @@ roles on CUDA and peak device memory read through NVML — the whole GPU's used 
 CUDA contexts of every process included, which is what runs out first on a crowded GPU.
 - crowded: the embedded loop, actor + rollout + reference in one process on GPU 0;
 - project: the hybrid engine (`quickstart_colocated.yaml`), the FSDP2 actor and its
-  rollout engine time-sharing GPU 0 in one NCCL rank;
+  rollout engine time-sharing GPU 0 in one NCCL rank, the reward in a CPU process (with
+  one GPU the project's own default is the embedded loop, i.e. crowded);
 - isolated: actor, rollout and reward each on its own GPU — only with 3 or more GPUs.
 Without CUDA it returns a result that says it was skipped (so `bench all` runs anywhere).
 The models: `small` (~19M) and `medium` (~135M), fp32, batch 128 x 16 new tokens.
@@ -25,9 +26,12 @@ from bench.placement import table as cpu_table
 
 ON_GPU0 = ["resources.actor.device_type=cuda", "resources.actor.device_ids=[0]",
            "resources.rollout.device_type=cuda", "resources.rollout.device_ids=[0]"]
+# One GPU is one NCCL rank, and a one-process run is the embedded loop (= crowded); the
+# hybrid engine's distributed runtime runs when the reward is a process of its own.
 GPU_PLACEMENTS: dict[str, tuple[str, list[str]]] = {
     "crowded": ("quickstart.yaml", ON_GPU0),
-    "project": ("quickstart_colocated.yaml", ON_GPU0),
+    "project": ("quickstart_colocated.yaml", [*ON_GPU0, "resources.reward.device_type=cpu",
+                                              "resources.reward.device_ids=[1]", "resources.reward.strategy=none"]),
 }
 ISOLATED = ("quickstart_split.yaml", ["resources.actor.device_type=cuda", "resources.actor.device_ids=[0]",
                                       "resources.rollout.device_type=cuda", "resources.rollout.device_ids=[1]",

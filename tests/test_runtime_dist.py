@@ -205,3 +205,10 @@ def test_unreachable_store_blames_rank_zero() -> None:
 ])
 def test_parse_failed_ranks(text: str, ranks: list[int]) -> None:
     assert parse_failed_ranks(text) == ranks
+
+
+def test_nccl_groups_also_carry_cpu_tensors_over_gloo() -> None:
+    from verl_hpc.runtime.dist import with_cpu_path
+
+    assert with_cpu_path("nccl") == "cpu:gloo,cuda:nccl"  # metric means and flags are CPU tensors
+    assert with_cpu_path("gloo") == "gloo"

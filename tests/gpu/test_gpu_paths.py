@@ -25,6 +25,9 @@ pytestmark = [pytest.mark.gpu, pytest.mark.slow,
 ON_GPU = ["resources.actor.device_type=cuda", "resources.actor.device_ids=[0]",
           "resources.rollout.device_type=cuda", "resources.rollout.device_ids=[0]"]
 
+REWARD_PROCESS = ["resources.reward.device_type=cpu", "resources.reward.device_ids=[1]",
+                  "resources.reward.strategy=none"]
+
 
 def _metrics(run_dir: Path) -> list[dict[str, float]]:
     lines = (run_dir / "tensorboard" / "metrics.jsonl").read_text().splitlines()
@@ -54,9 +57,12 @@ def test_embedded_run_on_cuda_learns_checkpoints_and_resumes(tmp_path: Path, tin
 
 
 def test_colocated_fsdp_actor_on_cuda_joins_an_nccl_world(tmp_path: Path, tiny_model_dir: Path) -> None:
+    # One GPU holds one NCCL rank; the reward as its own CPU process makes it a world of 2
+    # (a single process would run the embedded loop, which the first test covers).
     run_dir = tmp_path / "run"
     proc = run_cli("train", "configs/quickstart_colocated.yaml", "--run-dir", str(run_dir),
-                   f"model.path={tiny_model_dir}", "trainer.total_steps=200", "logging.progress=off", *ON_GPU)
+                   f"model.path={tiny_model_dir}", "trainer.total_steps=200", "logging.progress=off", *ON_GPU,
+                   *REWARD_PROCESS)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "backend nccl" in _logs(run_dir)
     series = scalars(run_dir)

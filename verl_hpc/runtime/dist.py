@@ -160,7 +160,19 @@ def _store_call(fn: Callable[[], T]) -> T | None:
 
 def _backend_for(specs: list[GroupSpec], backend: str) -> str:
     """gloo when any member sits on CPU (nccl cannot move CPU tensors), else the default."""
-    return "gloo" if any(s.resources.device_type == "cpu" for s in specs) else backend
+    return "gloo" if any(s.resources.device_type == "cpu" for s in specs) else with_cpu_path(backend)
+
+
+def with_cpu_path(backend: str) -> str:
+    """An NCCL group that also carries CPU tensors, over gloo.
+
+    Why: the trainer group moves CUDA tensors (gradients, FSDP shards) but also the
+    runtime's small CPU tensors — metric means, stop and resize flags, advantage
+    statistics — and NCCL alone refuses those ("No backend type associated with device
+    type cpu", seen on the first GPU run). torch dispatches per tensor device when a group
+    is built with one backend per device type.
+    """
+    return "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
 
 
 def init_distributed(env: JobEnvironment, plan: ProcessPlan, backend: str,
@@ -181,7 +193,7 @@ def init_distributed(env: JobEnvironment, plan: ProcessPlan, backend: str,
         raise RuntimeError("torch.distributed is already initialised in this process; "
                            "call DistContext.destroy() first")
     timeout = timedelta(seconds=timeout_seconds)
-    dist.init_process_group(backend, init_method=_init_method(env), rank=env.rank,
+    dist.init_process_group(with_cpu_path(backend), init_method=_init_method(env), rank=env.rank,
                             world_size=env.world_size, timeout=timeout)
     try:
         return _build_groups(env, plan, backend, timeout, timeout_seconds)
