@@ -18,7 +18,7 @@ The baseline in the same run is that cold start: the ratio recovery / cold start
 what a preemption costs beyond starting the job at all. Targets (issue 7): <= 30 s from
 signal to first step excluding the scheduler's wait, <= 1 step lost. The Slurm variant
 (a real preemption on the local cluster, with its requeue wait) is not part of this
-module: quick mode must never start a cluster (see docs/benchmarks.md).
+module: `python -m bench preemption --slurm` (bench/preemption_slurm.py), never in `all`.
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ def run(quick: bool = False, scratch: str | None = None) -> dict[str, Any]:
         ratios[f"recovery_excl_wait_over_{TARGET_S:.0f}s_target_{name}"] = {
             k: v / TARGET_S for k, v in fields["total_excl_wait_s"].items()}
     return {"cpus": os.cpu_count(), "signal_after": SIGNAL_AFTER, "cases": cases, "ratios": ratios,
-            "slurm": "not measured by this module (quick mode never starts a cluster); see docs/benchmarks.md"}
+            "slurm": "not measured by this module: python -m bench preemption --slurm (bench/preemption_slurm.py)"}
 
 
 def table(result: dict[str, Any]) -> str:

@@ -1,8 +1,10 @@
 """Preemption recovery under Slurm: a real preemption on the local cluster, timed from the run's own records.
 
 `python -m bench preemption --slurm` (or `python -m bench preemption_slurm`). One job per
-repetition: `verl-hpc submit configs/slurm_local.yaml` (a 3-component hetjob, 4 tasks, on
-the `low` partition), and after a few completed steps a job that wants every node is
+repetition, configs alternating: `verl-hpc submit configs/slurm_local.yaml` (split: a
+3-component hetjob, 4 tasks on 3 nodes) or `configs/slurm_grpo_colocated.yaml` (a plain job,
+2 tasks on 1 node; --quick runs the hetjob only), both on the `low` partition. After a
+few completed steps a job that wants every node is
 submitted to the `high` partition. Slurm preempts ours the way it does on a real cluster
 (`PreemptMode=REQUEUE`: the job's `--signal` USR1 at once, SIGTERM after GraceTime); the
 runtime finishes the step, saves, and rank 0 requeues the job, which the scheduler starts
@@ -45,7 +47,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-CONFIG = "configs/slurm_local.yaml"
+CONFIGS = ["configs/slurm_local.yaml", "configs/slurm_grpo_colocated.yaml"]
 SLURM_LOCAL = REPO / "tools" / "slurm-local"
 EXIT_UNAVAILABLE = 3  # tools/slurm-local: Slurm/munge missing and not installable
 TARGET_S, TARGET_LOST = 30.0, 1
@@ -124,8 +126,8 @@ def _poll(what: str, condition: Callable[[], Any], timeout: float, every: float,
     raise RuntimeError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
-def _submit(cluster: Cluster, run_dir: Path, model: Path) -> int:
-    cmd = [sys.executable, "-m", "verl_hpc", "submit", CONFIG, "--run-dir", str(run_dir), f"model.path={model}",
+def _submit(cluster: Cluster, config: str, run_dir: Path, model: Path) -> int:
+    cmd = [sys.executable, "-m", "verl_hpc", "submit", config, "--run-dir", str(run_dir), f"model.path={model}",
            "trainer.total_steps=100000", "checkpoint.interval_steps=100000", "logging.progress=off",
            "slurm.max_requeues=5"]
     done = subprocess.run(cmd, cwd=REPO, text=True, capture_output=True, timeout=300, check=False,
@@ -162,9 +164,9 @@ def _step_seen(run_dir: Path, step: int, cluster: Cluster, job: int) -> Callable
     return check
 
 
-def one_preemption(cluster: Cluster, run_dir: Path, model: Path, timeout: float) -> dict[str, float]:
+def one_preemption(cluster: Cluster, config: str, run_dir: Path, model: Path, timeout: float) -> dict[str, float]:
     """Submit, preempt after SIGNAL_AFTER steps (+ half a step), time the way back to a completed step."""
-    job = _submit(cluster, run_dir, model)
+    job = _submit(cluster, config, run_dir, model)
     try:
         t_run1 = _poll("the job to start", _running(cluster, job, 0), timeout, 0.25, cluster.poke)
         t_first1, row1 = _poll("step 1", _step_seen(run_dir, 1, cluster, job), timeout, 0.1, lambda: None)
@@ -221,9 +223,10 @@ def _summary(values: list[float]) -> dict[str, float]:
 
 
 def run(quick: bool = False, scratch: str | None = None) -> dict[str, Any]:
-    reps = 1 if quick else 3
+    configs, reps = (CONFIGS[:1], 1) if quick else (CONFIGS, 3)
     work = Path(tempfile.mkdtemp(prefix="verl_hpc_bench_preemption_slurm_", dir=scratch))
-    base: dict[str, Any] = {"config": CONFIG, "signal_after": SIGNAL_AFTER, "cpus": os.cpu_count()}
+    base: dict[str, Any] = {"configs": configs, "signal_after": SIGNAL_AFTER, "cpus": os.cpu_count()}
+    samples: dict[str, list[dict[str, float]]] = {c: [] for c in configs}
     try:
         cluster = find_cluster(work)
         if isinstance(cluster, str):
@@ -232,39 +235,46 @@ def run(quick: bool = False, scratch: str | None = None) -> dict[str, Any]:
             from verl_hpc.models.tiny import init_model  # torch: only once there is a cluster to use
 
             model = init_model(work / "tiny", preset="tiny", seed=0)
-            samples = []
             for rep in range(reps):
-                _wait_idle(cluster)
-                samples.append(one_preemption(cluster, work / f"rep{rep}", model, timeout=600))
+                for config in configs[rep % len(configs):] + configs[:rep % len(configs)]:
+                    _wait_idle(cluster)
+                    run_dir = work / f"{Path(config).stem}-rep{rep}"
+                    samples[config].append(one_preemption(cluster, config, run_dir, model, timeout=600))
         finally:
             stop_cluster(cluster)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    fields = {key: _summary([s[key] for s in samples]) for key in samples[0]}
-    ratios = {"restart_over_cold_start": fields["restart_over_cold"],
-              f"recovery_excl_wait_over_{TARGET_S:.0f}s_target": {k: v / TARGET_S
-                                                                   for k, v in fields["total_excl_wait_s"].items()}}
+    cases, ratios = [], {}
+    for config, done in samples.items():
+        fields = {key: _summary([s[key] for s in done]) for key in done[0]}
+        cases.append({"config": config, "reps": len(done), **fields})
+        name = Path(config).stem
+        ratios[f"restart_over_cold_start_{name}"] = fields["restart_over_cold"]
+        ratios[f"recovery_excl_wait_over_{TARGET_S:.0f}s_target_{name}"] = {
+            k: v / TARGET_S for k, v in fields["total_excl_wait_s"].items()}
     return {**base, "reps": reps, "cluster": "started for this run" if cluster.owned else str(cluster.conf),
-            "cases": [{"config": CONFIG, "reps": reps, **fields}], "samples": samples, "ratios": ratios}
+            "cases": cases, "samples": samples, "ratios": ratios}
 
 
 def table(result: dict[str, Any]) -> str:
     if result.get("skipped"):
         return f"preemption (Slurm) benchmark skipped: {result['skipped']}"
-    case = result["cases"][0]
     heads = ["save", "rq call", "rq wait", "start-up", "restore", "1st step", "total*"]
     cols = [*PHASES, "total_excl_wait_s"]
     lines = [f"preemption (Slurm) benchmark: real preemption (high partition) after {result['signal_after']} steps "
-             f"-> checkpoint -> requeue -> restart, {result['reps']} rep(s), median (min-max) s on "
-             f"{result['cpus']} CPUs", f"{'config':<26}" + "".join(f"{h:>18}" for h in heads) + f"{'lost':>6}"]
-    cells = "".join(f"{_cell(case[c]):>18}" for c in cols)
-    lines.append(f"{case['config']:<26}{cells}{case['steps_lost']['max']:>6.0f}")
-    worst, lost = case["total_excl_wait_s"]["max"], case["steps_lost"]["max"]
+             f"-> checkpoint -> requeue -> restart, {result['reps']} rep(s) per config, median (min-max) s on "
+             f"{result['cpus']} CPUs", f"{'config':<34}" + "".join(f"{h:>18}" for h in heads) + f"{'lost':>6}"]
+    for case in result["cases"]:
+        cells = "".join(f"{_cell(case[c]):>18}" for c in cols)
+        lines.append(f"{case['config']:<34}{cells}{case['steps_lost']['max']:>6.0f}")
+    worst = max(c["total_excl_wait_s"]["max"] for c in result["cases"])
+    lost = max(c["steps_lost"]["max"] for c in result["cases"])
     lines.append(f"* signal -> first step after the restart, excluding the scheduler's requeue wait; worst "
                  f"{worst:.1f} s (target <= {TARGET_S:.0f} s): {'met' if worst <= TARGET_S else 'MISSED'}")
-    lines.append(f"steps lost, worst: {lost:.0f} (target <= {TARGET_LOST}): "
-                 f"{'met' if lost <= TARGET_LOST else 'MISSED'}; checkpoint write {_cell(case['write_s'])} s; "
-                 f"restart / cold start {_cell(case['restart_over_cold'])}")
+    lines.append(f"steps lost, worst: {lost:.0f} (target <= {TARGET_LOST}): {'met' if lost <= TARGET_LOST else 'MISSED'}")
+    for case in result["cases"]:
+        lines.append(f"{case['config']}: checkpoint write {_cell(case['write_s'])} s, restart / cold start "
+                     f"{_cell(case['restart_over_cold'])}")
     return "\n".join(lines)
 
 
