@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 
 import pytest
 import torch
@@ -125,6 +126,8 @@ def test_same_seed_same_samples_and_engine_errors_are_named(tmp_path) -> None:
     try:
         torch.manual_seed(7)
         first = engine.generate(prompt_ids, sampling)
+        # Outside the owner's process group: srun's USR1 relay to a rank's group cannot kill it.
+        assert os.getpgid(engine.process.pid) != os.getpgrp()
         torch.manual_seed(7)
         assert engine.generate(prompt_ids, sampling).response_ids == first.response_ids
         with pytest.raises(Exception, match="verl_hpc_reload|No such file|safetensors"):

@@ -59,3 +59,24 @@ def test_worker_entry_point_survives_usr1_while_exiting(tmp_path: Path) -> None:
     assert done.returncode != -signal.SIGUSR1, done.stderr[-2000:]
     assert done.returncode == 1 and "config.yaml" in done.stderr, (done.returncode, done.stderr[-2000:])
     assert "survived the late USR1" in done.stdout
+
+
+def test_requeue_runs_scontrol_outside_the_ranks_process_group(tmp_path: Path, monkeypatch) -> None:
+    """srun relays USR1 to a task's whole process group (measured on the local cluster) and the batch
+    shell repeats it: in the rank's group, a repeat would kill `scontrol requeue` mid-request."""
+    from verl_hpc.runtime.env import JobEnvironment
+    from verl_hpc.runtime.signals import requeue
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "scontrol"
+    fake.write_text(f'#!/bin/sh\necho "$(ps -o pgid= $$) $*" > {tmp_path / "called"}\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    env = JobEnvironment(rank=0, world_size=1, local_rank=0, local_world_size=1, master_addr="127.0.0.1",
+                         master_port=29500, job_id="42", restart_count=0, scheduler="slurm", hostname="node1")
+    requeued, message = requeue(env, max_requeues=3, signum=signal.SIGUSR1)
+    assert requeued, message
+    pgid, args = (tmp_path / "called").read_text().split(maxsplit=1)
+    assert args.strip() == "requeue 42"
+    assert int(pgid) != os.getpgrp()

@@ -102,7 +102,10 @@ def requeue(env: JobEnvironment, max_requeues: int, signum: int = signal.SIGUSR1
     if scontrol is None:
         return False, ("scontrol is not on PATH (common inside containers): cannot requeue job "
                        f"{env.job_id}; the checkpoint is complete, resubmit with the same run dir (docs/slurm.md)")
-    proc = subprocess.run([scontrol, "requeue", env.job_id], capture_output=True, text=True, timeout=60)
+    # Its own session: srun relays USR1 to the task's whole process group, and the batch shell
+    # repeats it every 5 s; in the worker's group a repeat would kill scontrol mid-request.
+    proc = subprocess.run([scontrol, "requeue", env.job_id], capture_output=True, text=True, timeout=60,
+                          start_new_session=True)
     if proc.returncode != 0:
         return False, f"scontrol requeue {env.job_id} failed: {proc.stderr.strip() or proc.stdout.strip()}"
     return True, f"requeued job {env.job_id} (restart {env.restart_count + 1} of at most {max_requeues})"

@@ -114,8 +114,11 @@ class VLLMRolloutEngine:
         listener = Listener(address, family="AF_UNIX", authkey=key)
         out = open(log_file, "ab") if log_file is not None else None  # noqa: SIM115 - lives with the child
         cmd = [sys.executable, "-m", "verl_hpc.roles.rollout.vllm_server", address, json.dumps(self.options)]
+        # Its own session: under Slurm, srun relays a preemption notice (USR1) to the rank's whole
+        # process group, and USR1 kills a process without a handler; the rank stops it itself.
         self.process = subprocess.Popen(cmd, env={**env, "VERL_HPC_ENGINE_KEY": key.hex()},
-                                        stdout=out, stderr=subprocess.STDOUT if out else None)
+                                        stdout=out, stderr=subprocess.STDOUT if out else None,
+                                        start_new_session=True)
         try:
             self.conn = self._accept(listener)
             info = self._reply("start", self.timeout)
