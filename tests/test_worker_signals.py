@@ -12,12 +12,15 @@ COMPLETED. The tests send USR1 from inside that window, so the outcome is determ
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+USR1_BIT = 1 << (signal.SIGUSR1 - 1)  # in /proc/PID/status masks
 # Runs at interpreter finalization (module teardown), after CPython's signal clean-up:
 # sends USR1 to its own process and says whether it lived through it.
 LATE_USR1 = """
@@ -80,3 +83,44 @@ def test_requeue_runs_scontrol_outside_the_ranks_process_group(tmp_path: Path, m
     pgid, args = (tmp_path / "called").read_text().split(maxsplit=1)
     assert args.strip() == "requeue 42"
     assert int(pgid) != os.getpgrp()
+
+
+def _task_command() -> list[str]:
+    """The command srun starts on every node, from the rendered template (wrapper included)."""
+    line = next(line for line in (REPO / "sbatch" / "grpo_colocated.sbatch").read_text().splitlines()
+                if line.startswith("srun ") and "verl_hpc.runtime.worker" in line)
+    words = shlex.split(line.removesuffix("&"))
+    words = words[words.index("bash"):]
+    return [sys.executable if w == "$VERL_HPC_PYTHON" else w for w in words]
+
+
+def _ignores_usr1(pid: int) -> bool:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    masks = dict(line.split(":\t", 1) for line in status.splitlines() if ":\t" in line)
+    return bool(int(masks.get("SigIgn", "0"), 16) & USR1_BIT or int(masks.get("SigCgt", "0"), 16) & USR1_BIT)
+
+
+def test_a_task_started_as_srun_starts_it_survives_usr1_every_few_ms(tmp_path: Path) -> None:
+    """From the wrapper's `trap` (a few ms after exec) to the last instruction of the process: the
+    Python start-up and the imports (seconds under load), the hand-over of handlers, and the exit."""
+    env = {**os.environ, "VERL_HPC_RUN_DIR": str(tmp_path), "VERL_HPC_LOG_DIR": ""}
+    proc = subprocess.Popen(_task_command(), cwd=REPO, env=env, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 10
+    while not _ignores_usr1(proc.pid) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.001)
+    sent = 0
+    while proc.poll() is None:
+        try:
+            os.kill(proc.pid, signal.SIGUSR1)
+            sent += 1
+        except ProcessLookupError:
+            break
+        time.sleep(0.005)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode != -signal.SIGUSR1, f"killed by USR1 number {sent}: {err[-2000:]}"
+    assert proc.returncode == 1 and "config.yaml" in err, (proc.returncode, err[-2000:])
+    assert sent > 100  # the storm covered the process's life, not just its last moment
