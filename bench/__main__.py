@@ -20,7 +20,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 BENCHMARKS = {"checkpoint": "bench.checkpoint", "transport": "bench.transport",
-              "weight_sync": "bench.weight_sync", "step": "bench.step", "rollout": "bench.rollout",
+              "weight_sync": "bench.weight_sync", "step": "bench.step",
+              "step_overlap": "bench.step_overlap", "rollout": "bench.rollout",
               "scaling": "bench.scaling", "placement": "bench.placement",
               "placement_gpu": "bench.placement_gpu", "preemption": "bench.preemption"}
 # Not in `all`: it needs the local Slurm cluster and minutes of its time (`preemption --slurm`).

@@ -96,10 +96,11 @@ class Floor:
 class TRLProcess:
     """bench/trl_grpo.py in the TRL venv, run block by block."""
 
-    def __init__(self, model_dir: Path, prompts: list[str], answers: list[str], max_steps: int, out: Path) -> None:
+    def __init__(self, model_dir: Path, prompts: list[str], answers: list[str], max_steps: int, out: Path,
+                 threads: int = THREADS) -> None:
         settings = {"model_dir": str(model_dir), "prompts": prompts, "answers": answers, "batch_size": PROMPTS * N,
                     "n": N, "max_new_tokens": NEW_TOKENS, "lr": LR, "max_steps": max_steps, "seed": 0,
-                    "threads": THREADS, "output_dir": str(out)}
+                    "threads": threads, "output_dir": str(out)}
         env = {**os.environ, "PYTHONPATH": "", "TOKENIZERS_PARALLELISM": "false"}
         (out / "settings.json").write_text(json.dumps(settings))
         self.proc = subprocess.Popen([str(TRL_PYTHON), str(HERE / "trl_grpo.py"), str(out / "settings.json")],
@@ -206,23 +207,49 @@ def _split_run(preset: str, model_dir: Path, steps: int, run_dir: Path) -> list[
     return [r["timing_s/step"] for r in read_jsonl_metrics(run_dir / "tensorboard" / "metrics.jsonl")]
 
 
-def measure_overlap(preset: str, reps: int, steps: int, work: Path) -> dict[str, Any]:
-    """Alternate a floor block and a split max_staleness=1 run; ratio = floor s/step / overlapped s/step."""
+def measure_overlap(preset: str, reps: int, steps: int, work: Path, with_trl: bool = True) -> dict[str, Any]:
+    """Alternate a floor block, a split max_staleness=1 run and TRL blocks; ratios paired per repetition.
+
+    TRL runs twice per repetition: with one intra-op thread like every process of the
+    others, and with two — the cores the overlapped run's processes share — so the
+    comparison does not hand the project more hardware than its baseline.
+    """
     from verl_hpc.models.tiny import init_model
 
     torch.set_num_threads(THREADS)
     model_dir = Path.home() / ".cache" / "verl-hpc" / "models" / f"{preset}-seed0"
     init_model(model_dir, preset=preset, seed=0)
     examples = make_examples(512, 4, 0)
-    floor = Floor(model_dir, [e["prompt"] for e in examples])
+    prompts, answers = [e["prompt"] for e in examples], [e["ground_truth"] for e in examples]
+    floor = Floor(model_dir, prompts)
     floor.step()  # warm-up
-    floor_s, split_s = [], []
-    for rep in range(reps):
-        floor_s.append(statistics.median([floor.step() for _ in range(steps)]))
-        split_s.append(statistics.median(_split_run(preset, model_dir, steps + 2, work / f"split-{preset}-{rep}")[2:]))
-    ratios = [f / o for f, o in zip(floor_s, split_s, strict=True)]
-    return {"preset": preset, "floor_s": _summary(floor_s), "overlapped_s": _summary(split_s),
-            "ratios": {"throughput_overlapped_vs_floor": _summary(ratios)}}
+    trl_reason = trl_unavailable() if with_trl else "not asked for"
+    trls: dict[str, TRLProcess] = {}
+    if trl_reason is None:
+        for name, threads in (("trl", THREADS), ("trl_2threads", 2)):
+            (work / f"{name}-{preset}").mkdir(exist_ok=True)
+            trls[name] = TRLProcess(model_dir, prompts, answers, (steps + 1) * reps, work / f"{name}-{preset}",
+                                    threads=threads)
+    times: dict[str, list[float]] = {"floor": [], "overlapped": [], **{name: [] for name in trls}}
+    try:
+        for rep in range(reps):
+            times["floor"].append(statistics.median([floor.step() for _ in range(steps)]))
+            run = _split_run(preset, model_dir, steps + 2, work / f"split-{preset}-{rep}")
+            times["overlapped"].append(statistics.median(run[2:]))
+            for name, trl in trls.items():
+                times[name].append(statistics.median(trl.block(steps + 1)[1:]))  # first step: warm-up
+    finally:
+        for trl in trls.values():
+            trl.close()
+    ratios = {"throughput_overlapped_vs_floor": [f / o for f, o in zip(times["floor"], times["overlapped"],
+                                                                        strict=True)]}
+    for name in trls:
+        ratios[f"throughput_overlapped_vs_{name}"] = [t / o for t, o in zip(times[name], times["overlapped"],
+                                                                            strict=True)]
+    return {"preset": preset, "trl_skipped": trl_reason, "floor_s": _summary(times["floor"]),
+            "overlapped_s": _summary(times["overlapped"]), "raw": times,
+            **{f"{name}_s": _summary(times[name]) for name in trls},
+            "ratios": {k: _summary(v) for k, v in ratios.items()}}
 
 
 def _summary(values: list[float]) -> dict[str, float]:
@@ -281,9 +308,23 @@ def table(result: dict[str, Any]) -> str:
             lines.append(f"{'':<27}{key:<30}{r['median']:>6.2f} ({r['min']:.2f}-{r['max']:.2f}){verdict}")
         if c["trl_skipped"]:
             lines.append(f"{'':<27}TRL skipped: {c['trl_skipped']}")
-    for o in result.get("overlap", []):
+    lines += overlap_lines(result.get("overlap", []))
+    return "\n".join(lines)
+
+
+def overlap_lines(overlap: list[dict[str, Any]]) -> list[str]:
+    lines = []
+    for o in overlap:
         r = o["ratios"]["throughput_overlapped_vs_floor"]
         lines.append(f"{o['preset']:<7} split, max_staleness 1: {o['overlapped_s']['median']:.3f} s/step vs floor "
                      f"{o['floor_s']['median']:.3f}: throughput {r['median']:.2f}x the floor "
                      f"({r['min']:.2f}-{r['max']:.2f})  target > 1 {'met' if r['median'] > 1 else 'MISSED'}")
-    return "\n".join(lines)
+        for name in ("trl", "trl_2threads"):
+            if f"throughput_overlapped_vs_{name}" in o["ratios"]:
+                r = o["ratios"][f"throughput_overlapped_vs_{name}"]
+                lines.append(f"{'':<8}vs {name} ({o[f'{name}_s']['median']:.3f} s/step): throughput "
+                             f"{r['median']:.2f}x ({r['min']:.2f}-{r['max']:.2f})  target >= {TRL_TARGET} "
+                             f"{'met' if r['median'] >= TRL_TARGET else 'MISSED'}")
+        if o.get("trl_skipped"):
+            lines.append(f"{'':<8}TRL skipped: {o['trl_skipped']}")
+    return lines
