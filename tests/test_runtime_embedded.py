@@ -146,3 +146,24 @@ def test_progress_prints_plain_lines_off_a_terminal() -> None:
     progress.close()
     lines = stream.getvalue().splitlines()
     assert len(lines) == 3 and lines[-1].startswith("[train] step 3/3") and "score/mean=0.5" in lines[-1]
+
+
+def test_a_stop_signal_during_the_last_step_finishes_the_run(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """Nothing is left to resume, so the run completes (HF export included) instead of asking for a restart."""
+    import os
+    import signal
+
+    trainer = HybridTrainer(config=quick_dict(tiny_model_dir, steps=2), run_dir=tmp_path / "run")
+    inner = trainer.train_step
+
+    def step_then_signal(*args, **kwargs):
+        out = inner(*args, **kwargs)
+        if trainer.step == 2:
+            os.kill(os.getpid(), signal.SIGUSR1)  # what Slurm sends ahead of the time limit
+        return out
+
+    trainer.train_step = step_then_signal
+    result = trainer.train()
+    assert result.stopped_by is None and result.steps == 2
+    assert result.hf_model_dir is not None and (result.hf_model_dir / "config.json").is_file()
+    assert (tmp_path / "run" / "checkpoints" / "step_00000002" / "manifest.json").is_file()

@@ -120,7 +120,7 @@ class HybridTrainer:
             self.checkpointer.manager.wait()
             progress.close()
             logger.close()
-        if stop.received is not None:
+        if stop.received is not None and self.step < cfg.trainer.total_steps:  # at the last step: just finish
             log.warning("stopped by %s after step %d (checkpoint saved); %s", StopFlag.name(stop.received),
                         self.step, requeue(JobEnvironment.from_env(), cfg.slurm.max_requeues, stop.received)[1])
             return TrainResult(self.run_dir, self.step, None, metrics, StopFlag.name(stop.received))
