@@ -33,24 +33,35 @@ SCHEMA = pa.schema([
 ])
 
 
+_NON_NULLABLE = tuple(f.name for f in SCHEMA if not f.nullable)
+
+
 class SchemaError(ValueError):
     """A batch or file does not match SCHEMA; the message names the column."""
 
 
 def validate(batch: pa.RecordBatch) -> None:
-    for field in SCHEMA:
-        if field.name not in batch.schema.names:
-            raise SchemaError(f"rollout batch: column {field.name!r} is missing")
-        got = batch.schema.field(field.name).type
-        if got != field.type:
-            raise SchemaError(f"rollout batch: column {field.name!r} has type {got}, expected {field.type}")
-        if not field.nullable and batch.column(field.name).null_count:
-            raise SchemaError(f"rollout batch: column {field.name!r} has nulls")
-    resp_lens = _lengths(batch.column("response_ids"))
+    # Why the fast path: the rollout transport validates every received batch, and the
+    # per-field lookups below cost more than moving a small batch (bench/transport.py).
+    schema = batch.schema
+    if not schema.equals(SCHEMA):
+        names = set(schema.names)
+        for field in SCHEMA:
+            if field.name not in names:
+                raise SchemaError(f"rollout batch: column {field.name!r} is missing")
+            got = schema.field(field.name).type
+            if got != field.type:
+                raise SchemaError(f"rollout batch: column {field.name!r} has type {got}, expected {field.type}")
+    for name in _NON_NULLABLE:
+        if batch.column(name).null_count:
+            raise SchemaError(f"rollout batch: column {name!r} has nulls")
+    resp_lens = None
     for name in TOKEN_FLOAT_COLUMNS:
         col = batch.column(name)
-        if col.null_count == 0 and not np.array_equal(_lengths(col), resp_lens):
-            raise SchemaError(f"rollout batch: column {name!r} lengths differ from response_ids")
+        if col.null_count == 0:
+            resp_lens = _lengths(batch.column("response_ids")) if resp_lens is None else resp_lens
+            if not np.array_equal(_lengths(col), resp_lens):
+                raise SchemaError(f"rollout batch: column {name!r} lengths differ from response_ids")
 
 
 def _lengths(col: pa.Array) -> np.ndarray:
@@ -101,7 +112,33 @@ class RolloutBatch:
     def __init__(self, record_batch: pa.RecordBatch, check: bool = True):
         if check:
             validate(record_batch)
-        self.record_batch = record_batch
+        self._whole: pa.RecordBatch | None = record_batch
+        self._chunks = [record_batch]
+
+    @classmethod
+    def from_chunks(cls, chunks: Sequence[pa.RecordBatch], check: bool = True) -> RolloutBatch:
+        """One batch made of several SCHEMA record batches, joined only when first read whole.
+
+        Why: a batch received in pieces (the rollout transport's ~4 MB messages) is next
+        concatenated with the other generators' batches (`concat`); joining its pieces
+        first would copy every byte twice. `column` joins just the one column it returns.
+        """
+        if not chunks:
+            raise ValueError("RolloutBatch.from_chunks needs at least one record batch")
+        if check:
+            for chunk in chunks:
+                validate(chunk)
+        batch = cls.__new__(cls)
+        batch._chunks = list(chunks)
+        batch._whole = batch._chunks[0] if len(batch._chunks) == 1 else None
+        return batch
+
+    @property
+    def record_batch(self) -> pa.RecordBatch:
+        if self._whole is None:
+            self._whole = pa.concat_batches(self._chunks)
+            self._chunks = [self._whole]
+        return self._whole
 
     @classmethod
     def from_generation(cls, prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]],
@@ -126,10 +163,12 @@ class RolloutBatch:
         return cls(pa.RecordBatch.from_arrays([columns[f.name] for f in SCHEMA], schema=SCHEMA))
 
     def __len__(self) -> int:
-        return self.record_batch.num_rows
+        return sum(chunk.num_rows for chunk in self._chunks)
 
     def column(self, name: str) -> pa.Array:
-        return self.record_batch.column(name)
+        if self._whole is not None:
+            return self._whole.column(name)
+        return pa.concat_arrays([chunk.column(name) for chunk in self._chunks])
 
     def has(self, name: str) -> bool:
         return self.column(name).null_count < len(self)
@@ -179,7 +218,8 @@ class RolloutBatch:
     def to_ipc(self) -> bytes:
         sink = pa.BufferOutputStream()
         with pa.ipc.new_stream(sink, SCHEMA) as writer:
-            writer.write_batch(self.record_batch)
+            for chunk in self._chunks:
+                writer.write_batch(chunk)
         return sink.getvalue().to_pybytes()
 
     @classmethod
@@ -190,4 +230,4 @@ class RolloutBatch:
 
     @classmethod
     def concat(cls, batches: Sequence[RolloutBatch]) -> RolloutBatch:
-        return cls(pa.concat_batches([b.record_batch for b in batches]), check=False)
+        return cls(pa.concat_batches([chunk for b in batches for chunk in b._chunks]), check=False)

@@ -124,4 +124,4 @@ class RolloutBuffer:
     def stats(self) -> dict[str, Any]:
         with self._cond:
             return {**self.counts, "queued": len(self._queue), "capacity": self.capacity,
-                    "waiting_puts": self._waiting, "producers": sorted(self._last_heard)}
+                    "waiting_puts": self._waiting, "producers": sorted(self._last_heard), "closed": self._closed}

@@ -2,17 +2,21 @@
 
 Why Flight: rollouts already are Arrow record batches (SCHEMA), and Flight moves them
 over gRPC as Arrow IPC — no pickling, no per-row framing, and the trainer receives
-buffers it can hand to numpy/torch directly. Why push (do_put) rather than pull: the
-trainer does not need to know where workers run; workers only need one address and
-the run's token (see `secret.py`).
+buffers it can hand to numpy/torch directly. Why push rather than pull: the trainer
+does not need to know where workers run; workers only need one address and the run's
+token (see `secret.py`). The client keeps one `do_exchange` stream per producer open
+while it is busy (`stream.py`); the server also takes single `do_put`s (`wire.py`).
 
 Delivery contract (what makes retries and restarts safe):
-- every put carries the descriptor path `[b"rollouts", producer_id, sequence_no]`;
+- every batch carries (producer_id, sequence_no): in a put's descriptor, or in the
+  app_metadata of its messages on a stream;
 - the server keeps the set of (producer_id, sequence_no) it has enqueued and answers a
   repeat with an acknowledgement but no second enqueue — at-most-once into the buffer,
-  at-least-once on the wire, i.e. exactly-once overall as long as a producer retries;
-- the buffer is bounded: when it holds `capacity` batches a put blocks until the
-  trainer takes one, so fast generation cannot exhaust trainer memory.
+  at-least-once on the wire, i.e. exactly-once overall as long as a producer retries
+  (on a new stream, if the old one broke);
+- the acknowledgement is sent only once the batch is in the buffer; the buffer is
+  bounded: when it holds `capacity` batches a put blocks until the trainer takes one,
+  so fast generation cannot exhaust trainer memory.
 """
 
 from __future__ import annotations
@@ -31,17 +35,14 @@ from urllib.parse import urlparse
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from verl_hpc.data.rollout_batch import SCHEMA, RolloutBatch, SchemaError, validate
+from verl_hpc.data.rollout_batch import RolloutBatch
+from verl_hpc.data.transport import wire
 from verl_hpc.data.transport.buffer import RolloutBuffer
+from verl_hpc.data.transport.stream import IdleCloser, ProducerStream
 
 log = logging.getLogger(__name__)
 
-DESCRIPTOR_ROOT = b"rollouts"
 _AUTH_HEADER = "authorization"
-# Why puts are cut into ~4 MB record batches: one huge gRPC message is copied and
-# flow-controlled as a unit (about 1 GB/s on loopback here), while a stream of 4 MB
-# messages pipelines sender, wire and receiver (2-4x faster for 64 MB+; bench/transport.py).
-PUT_CHUNK_BYTES = 4 << 20
 
 
 class _BearerTokenMiddlewareFactory(flight.ServerMiddlewareFactory):
@@ -68,68 +69,15 @@ class _BearerTokenMiddlewareFactory(flight.ServerMiddlewareFactory):
         return None
 
 
-def _parse_descriptor(descriptor: flight.FlightDescriptor) -> tuple[str, int]:
-    """`[b"rollouts", producer_id, sequence_no]` -> (producer_id, sequence_no)."""
-    path = list(descriptor.path or [])
-    if len(path) != 3 or path[0] != DESCRIPTOR_ROOT:
-        raise flight.FlightServerError(f"rollout put: descriptor path must be [b'rollouts', producer_id, "
-                                       f"sequence_no], got {path!r}")
-    try:
-        producer, seq = path[1].decode("utf-8"), int(path[2])
-    except (UnicodeDecodeError, ValueError):
-        raise flight.FlightServerError(f"rollout put: bad producer id or sequence number in {path!r}") from None
-    if not producer or seq < 0:
-        raise flight.FlightServerError(f"rollout put: empty producer id or negative sequence in {path!r}")
-    return producer, seq
-
-
-def _schema_problem(schema: pa.Schema) -> str | None:
-    """Name the first column that is missing, mistyped or unexpected; None if all fit."""
-    for field in SCHEMA:
-        if field.name not in schema.names:
-            return f"column {field.name!r} is missing"
-        got = schema.field(field.name).type
-        if got != field.type:
-            return f"column {field.name!r} has type {got}, expected {field.type}"
-    extra = [name for name in schema.names if name not in SCHEMA.names]
-    return f"unexpected column(s) {extra!r}" if extra else None
-
-
-def _read_batch(reader: flight.MetadataRecordBatchReader, where: str) -> RolloutBatch:
-    """Read the whole put stream into one validated batch laid out exactly as SCHEMA."""
-    problem = _schema_problem(reader.schema)
-    if problem:  # checked before reading the data: no point receiving a batch we reject
-        raise flight.FlightServerError(f"{where} rejected: {problem}")
-    batches = reader.read_all().to_batches()
-    if not batches or sum(b.num_rows for b in batches) == 0:
-        raise flight.FlightServerError(f"{where} rejected: the put carried no rows")
-    record_batch = batches[0] if len(batches) == 1 else pa.concat_batches(batches)
-    if not record_batch.schema.equals(SCHEMA):  # column order or nullability flags differ
-        record_batch = pa.RecordBatch.from_arrays([record_batch.column(f.name) for f in SCHEMA],
-                                                  schema=SCHEMA)
-    try:
-        validate(record_batch)
-    except SchemaError as exc:
-        raise flight.FlightServerError(f"{where} rejected: {exc}") from None
-    return RolloutBatch(record_batch, check=False)
-
-
-def _chunks(record_batch: pa.RecordBatch, max_bytes: int) -> list[pa.RecordBatch]:
-    """Zero-copy row slices of about `max_bytes` each (the whole batch when it is smaller)."""
-    nbytes, rows = record_batch.nbytes, record_batch.num_rows
-    if nbytes <= max_bytes or rows <= 1:
-        return [record_batch]
-    step = max(1, rows * max_bytes // nbytes)
-    return [record_batch.slice(start, step) for start in range(0, rows, step)]
-
-
 class RolloutFlightServer(flight.FlightServerBase):
     """Trainer-side Flight endpoint plus the in-process consumer API (`get`, `qsize`).
 
     Lifecycle: pyarrow starts listening (on gRPC's own threads) as soon as the object
     exists, so there is no serve thread to manage; `shutdown()` — idempotent, also
     run by the context manager — first releases producers blocked on a full buffer
-    (they would otherwise keep gRPC's shutdown waiting forever), then stops gRPC.
+    (they would otherwise keep gRPC's shutdown waiting forever), then stops gRPC, which
+    waits for open producer streams: clients close theirs after `idle_close_s` without
+    puts, so an idle producer delays a shutdown by at most about that long.
     """
 
     def __init__(self, location: str = "grpc://127.0.0.1:0", *, token: str, capacity: int = 8) -> None:
@@ -141,6 +89,8 @@ class RolloutFlightServer(flight.FlightServerBase):
         self._host = urlparse(location).hostname or "127.0.0.1"
         self._stop_lock = threading.Lock()
         self._stopped = False
+        self._stream_lock = threading.Lock()
+        self._streams = {"opened": 0, "open": 0}
         super().__init__(location, middleware={"auth": _BearerTokenMiddlewareFactory(token)})
         log.info("rollout Flight server listening on %s (capacity %d)", self.location, capacity)
 
@@ -152,15 +102,68 @@ class RolloutFlightServer(flight.FlightServerBase):
 
     def do_put(self, context: flight.ServerCallContext, descriptor: flight.FlightDescriptor,
                reader: flight.MetadataRecordBatchReader, writer: flight.FlightMetadataWriter) -> None:
-        """Validate, then enqueue (blocking while full); the ack tells queued from duplicate."""
+        """One batch per call: validate, enqueue (blocking while full), JSON ack queued/duplicate."""
         try:
-            producer, seq = _parse_descriptor(descriptor)
-            batch = _read_batch(reader, f"rollout put from {producer!r} #{seq}")
+            producer, seq = wire.parse_put_descriptor(descriptor)
+            where = f"rollout put from {producer!r} #{seq}"
+            wire.check_schema(reader.schema, where)  # before reading: no point receiving a batch we reject
+            batch = wire.assemble(reader.read_all().to_batches(), where)
         except flight.FlightServerError:
             self._buffer.reject()
             raise
         status = self._buffer.offer((producer, seq), batch, context.is_cancelled)
         writer.write(pa.py_buffer(json.dumps({"status": status, "sequence_no": seq}).encode()))
+
+    def do_exchange(self, context: flight.ServerCallContext, descriptor: flight.FlightDescriptor,
+                    reader: flight.MetadataRecordBatchReader, writer: flight.MetadataRecordBatchWriter) -> None:
+        """A producer's stream: batches in, one ack each once buffered, until the producer ends it.
+
+        Any rejection fails the whole call (the client then opens a new stream), so a
+        half-received batch can never be mistaken for the start of the next one.
+        """
+        with self._stream_lock:
+            self._streams["opened"] += 1
+            self._streams["open"] += 1
+        try:
+            try:
+                producer = wire.parse_stream_descriptor(descriptor)
+                wire.check_schema(reader.schema, f"rollout stream from {producer!r}")
+            except flight.FlightServerError:
+                self._buffer.reject()
+                raise
+            while (received := self._receive_batch(reader, producer)) is not None:
+                seq, batch = received
+                status = self._buffer.offer((producer, seq), batch, context.is_cancelled)
+                writer.write_metadata(wire.encode_ack(seq, status))
+        finally:
+            with self._stream_lock:
+                self._streams["open"] -= 1
+
+    def _receive_batch(self, reader: flight.MetadataRecordBatchReader,
+                       producer: str) -> tuple[int, RolloutBatch] | None:
+        """Read messages up to one batch's last chunk; None when the producer closed the stream."""
+        pending: list[pa.RecordBatch] = []
+        pending_seq = -1
+        try:
+            while True:
+                try:
+                    chunk = reader.read_chunk()
+                except StopIteration:  # closed between batches (idle, or done); mid-batch: dropped
+                    return None
+                where = f"rollout put from {producer!r}"
+                seq, last = wire.decode_chunk_meta(chunk.app_metadata, where)
+                where = f"{where} #{seq}"
+                if chunk.data is None:
+                    raise flight.FlightServerError(f"{where}: a message without a record batch")
+                if pending and seq != pending_seq:
+                    raise flight.FlightServerError(f"{where}: started before #{pending_seq} was complete")
+                pending.append(chunk.data)
+                pending_seq = seq
+                if last:
+                    return seq, wire.assemble(pending, where)
+        except flight.FlightServerError:
+            self._buffer.reject()
+            raise
 
     def do_action(self, context: flight.ServerCallContext, action: flight.Action) -> Iterable[bytes]:
         """Health and counters for workers and operators, behind the same token as puts."""
@@ -172,7 +175,7 @@ class RolloutFlightServer(flight.FlightServerBase):
 
     def list_actions(self, context: flight.ServerCallContext) -> list[tuple[str, str]]:
         return [("ping", "liveness check; returns b'pong'"),
-                ("stats", "JSON counters: received, duplicates, queued, consumed, rejected")]
+                ("stats", "JSON counters: received, duplicates, queued, consumed, rejected, streams")]
 
     def get(self, timeout: float | None = None) -> RolloutBatch:
         """Next batch in arrival order; TimeoutError after `timeout` s (None: wait forever)."""
@@ -182,7 +185,9 @@ class RolloutFlightServer(flight.FlightServerBase):
         return self._buffer.qsize()
 
     def stats(self) -> dict[str, Any]:
-        return self._buffer.stats()
+        with self._stream_lock:
+            streams = {"streams_opened": self._streams["opened"], "open_streams": self._streams["open"]}
+        return {**self._buffer.stats(), **streams}
 
     def shutdown(self) -> None:
         """Stop accepting puts, unblock waiting producers, stop gRPC. Safe to call twice.
@@ -211,12 +216,19 @@ class RolloutFlightClient:
     so a put retried after a lost acknowledgement lands once. A producer_id must be
     unique per live producer (e.g. f"{job_id}-rank{rank}"); a restarted producer that
     reuses its id must continue its numbering, or its first puts count as duplicates.
+
+    Batches travel on one `do_exchange` stream (`stream.py`), opened on the first put and
+    closed after `idle_close_s` without puts (0: only by `close()`); a broken stream is
+    replaced by a new one on the next attempt.
     """
 
     def __init__(self, location: str, token: str, producer_id: str, *, put_timeout: float | None = None,
-                 rpc_timeout: float = 10.0, retries: int = 4, backoff_s: float = 0.25) -> None:
+                 rpc_timeout: float = 10.0, retries: int = 4, backoff_s: float = 0.25,
+                 idle_close_s: float = 0.5) -> None:
         if not producer_id:
             raise ValueError("producer_id must be non-empty")
+        if idle_close_s < 0:
+            raise ValueError(f"idle_close_s must be >= 0, got {idle_close_s}")
         self.producer_id = producer_id
         self.next_sequence_no = 0
         self._client = flight.FlightClient(location)
@@ -225,6 +237,10 @@ class RolloutFlightClient:
         self._retries, self._backoff_s = retries, backoff_s
         self._lock = threading.Lock()  # one put at a time keeps this producer's order
         self._closed = False
+        self._stream: ProducerStream | None = None
+        self._last_used = 0.0
+        self._idle_close_s = idle_close_s
+        self._idle_closer: IdleCloser | None = None
 
     def _options(self, timeout: float | None) -> flight.FlightCallOptions:
         return flight.FlightCallOptions(headers=self._auth, timeout=timeout)
@@ -251,6 +267,8 @@ class RolloutFlightClient:
             return self._put_with_retries(batch, sequence_no)
 
     def _put_with_retries(self, batch: RolloutBatch, seq: int) -> str:
+        if self._closed:
+            raise RuntimeError(f"rollout client {self.producer_id!r} is closed")
         for attempt in range(self._retries + 1):
             try:
                 return self._put_once(batch, seq)
@@ -264,18 +282,56 @@ class RolloutFlightClient:
         raise AssertionError("unreachable")
 
     def _put_once(self, batch: RolloutBatch, seq: int) -> str:
-        descriptor = flight.FlightDescriptor.for_path(DESCRIPTOR_ROOT, self.producer_id.encode(),
-                                                      str(seq).encode())
+        """One attempt on the open stream (opened here if needed); any failure drops the stream."""
         record_batch = batch.record_batch
-        writer, reader = self._client.do_put(descriptor, record_batch.schema, self._options(self._put_timeout))
+        stream = self._open_stream(record_batch.schema)
+        timer = None
+        if self._put_timeout is not None:  # a stream has no per-message deadline: cancel it instead
+            timer = threading.Timer(self._put_timeout, stream.cancel)
+            timer.daemon = True
+            timer.start()
         try:
-            for chunk in _chunks(record_batch, PUT_CHUNK_BYTES):
-                writer.write_batch(chunk)
-            writer.done_writing()
-            ack = reader.read()  # None when the server failed the call; close() raises why
+            status = stream.send(record_batch, seq)
+        except (flight.FlightError, OSError, pa.ArrowException):
+            self._drop_stream()
+            if stream.cancelled:
+                raise flight.FlightTimedOutError(
+                    f"rollout put {self.producer_id} #{seq}: not acknowledged within put_timeout="
+                    f"{self._put_timeout:g} s (the trainer's buffer stayed full)") from None
+            raise
         finally:
-            writer.close()
-        return json.loads(ack.to_pybytes())["status"] if ack is not None else "unknown"
+            if timer is not None:
+                timer.cancel()
+        if stream.cancelled:  # the timer fired right after the ack: the stream is spent
+            self._drop_stream()
+        self._last_used = time.monotonic()
+        return status
+
+    def _open_stream(self, schema: pa.Schema) -> ProducerStream:
+        if self._stream is not None and not (self._stream.schema is schema or self._stream.schema.equals(schema)):
+            self._drop_stream()
+        if self._stream is None:
+            self._stream = ProducerStream(self._client, self.producer_id, schema, self._options(None))
+            self._last_used = time.monotonic()
+            if self._idle_closer is None and self._idle_close_s > 0:
+                self._idle_closer = IdleCloser(self._idle_close_s, self._close_if_idle,
+                                               f"rollout-stream-idle-{self.producer_id}")
+        return self._stream
+
+    def _drop_stream(self) -> None:
+        if self._stream is not None:
+            self._stream.close()
+            self._stream = None
+
+    def _close_if_idle(self, idle_s: float) -> None:
+        """Called by the idle closer; a put in progress (lock held) is never interrupted."""
+        if not self._lock.acquire(blocking=False):
+            return
+        try:
+            if self._stream is not None and time.monotonic() - self._last_used >= idle_s:
+                self._drop_stream()
+        finally:
+            self._lock.release()
 
     def ping(self) -> float:
         """Round-trip seconds of an authenticated no-op; raises if refused or unreachable."""
@@ -291,9 +347,21 @@ class RolloutFlightClient:
         return json.loads(results[0].body.to_pybytes())
 
     def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._client.close()
+        """End the stream (the server's handler returns) and the connection. Safe to call twice.
+
+        Does not wait for a put blocked in another thread: closing the connection fails it.
+        """
+        if self._closed:
+            return
+        self._closed = True
+        if self._idle_closer is not None:
+            self._idle_closer.stop()
+        if self._lock.acquire(blocking=False):
+            try:
+                self._drop_stream()
+            finally:
+                self._lock.release()
+        self._client.close()
 
     def __enter__(self) -> RolloutFlightClient:
         return self
