@@ -1,10 +1,14 @@
 """The project's bucketed weight broadcast vs one plain broadcast of the same bytes.
 
 Two processes on gloo (NCCL on a GPU machine would run the same code): rank 0 holds the
-actor, rank 1 a rollout copy of the same architecture. Project: `broadcast_weights`
-(header, then parameters packed into flat buckets, broadcast, unpacked into the
-receiver's parameters). Baseline: one `dist.broadcast` of a single pre-packed float32
-tensor holding exactly as many bytes — no header, no packing, no unpacking: the floor.
+actor, rank 1 a rollout copy of the same architecture. Project: what the split runtime
+runs — the sender's `broadcast_weights` (header, then parameters in flat buckets), the
+receiver's `receive_weights` into its HF rollout engine's flat weight buffer, then
+`push_weights` through the engine's `load_weights`. The actor's parameters are separate
+tensors, as in the runtime, so the sender packs them into buckets; a second small-model
+case gives the actor one flat buffer (`flatten_params`) and shows what sending views
+instead saves. Baseline: one `dist.broadcast` of a single pre-packed float32 tensor
+holding exactly as many bytes — no header, no packing, no unpacking: the floor.
 Repetitions alternate; a barrier before each timing lines the ranks up, and the time is
 rank 1's (the receiver's weights are ready when it returns).
 
@@ -20,6 +24,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -27,19 +32,31 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from verl_hpc.models.tiny import PRESETS, build_model
-from verl_hpc.roles.weight_sync import DEFAULT_BUCKET_BYTES, broadcast_weights
+from verl_hpc.roles.flat_weights import flatten_params
+from verl_hpc.roles.rollout.hf import HFRolloutEngine
+from verl_hpc.roles.weight_sync import (
+    DEFAULT_BUCKET_BYTES,
+    broadcast_weights,
+    engine_buffer,
+    push_weights,
+    receive_weights,
+)
 
 TARGET = 1.3
 
 
-def _worker(rank: int, init_file: str, preset: str, reps: int, bucket_bytes: int, out: str) -> None:
+def _worker(rank: int, init_file: str, preset: str, reps: int, bucket_bytes: int, contiguous: bool,
+            out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
         spec = PRESETS[preset]
         model = build_model(spec, spec.vocab_size, pad_id=0, eos_id=1, seed=0 if rank == 0 else 1)
+        if contiguous and rank == 0:
+            flatten_params(model)
         numel = sum(p.numel() for p in model.parameters())
         flat = torch.randn(numel) if rank == 0 else torch.empty(numel)
+        engine = HFRolloutEngine(model, SimpleNamespace(pad_token_id=0, eos_token_id=1))
         rows: list[dict[str, float]] = []
         for rep in range(reps + 1):  # rep 0 warms both paths up and is dropped
             order = ("project", "plain") if rep % 2 == 0 else ("plain", "project")
@@ -47,9 +64,12 @@ def _worker(rank: int, init_file: str, preset: str, reps: int, bucket_bytes: int
             for method in order:
                 dist.barrier()
                 start = time.perf_counter()
-                if method == "project":
-                    broadcast_weights(model, dist.group.WORLD, src=0, version=rep,
-                                      is_sender=rank == 0, bucket_bytes=bucket_bytes)
+                if method == "project" and rank == 0:
+                    broadcast_weights(model, dist.group.WORLD, 0, rep, True, bucket_bytes=bucket_bytes)
+                elif method == "project":
+                    _, tensors = receive_weights(engine.weight_specs(), dist.group.WORLD, 0, bucket_bytes,
+                                                 into=engine_buffer(engine))
+                    push_weights(tensors, engine, rep)
                 else:
                     dist.broadcast(flat, src=0)
                 row[f"{method}_s"] = time.perf_counter() - start
@@ -71,32 +91,40 @@ def _summary(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def measure(preset: str, reps: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> dict[str, Any]:
+def measure(preset: str, reps: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+            contiguous_sender: bool = False) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="verl_hpc_bench_ws_") as tmp:
         out = os.path.join(tmp, "result.pt")
-        mp.spawn(_worker, args=(os.path.join(tmp, "init"), preset, reps, bucket_bytes, out), nprocs=2, join=True)
+        mp.spawn(_worker, args=(os.path.join(tmp, "init"), preset, reps, bucket_bytes, contiguous_sender, out),
+                 nprocs=2, join=True)
         data = torch.load(Path(out))
     rows = data["rows"]
     ratios = [r["project_s"] / r["plain_s"] for r in rows]
-    return {"preset": preset, "params": data["params"], "bytes": data["bytes"], "bucket_bytes": bucket_bytes,
+    return {"preset": preset, "sender": "contiguous" if contiguous_sender else "separate",
+            "params": data["params"], "bytes": data["bytes"], "bucket_bytes": bucket_bytes,
             "weights_equal": data["weights_equal"], "project_s": _summary([r["project_s"] for r in rows]),
             "plain_s": _summary([r["plain_s"] for r in rows]), "ratio": _summary(ratios), "rows": rows}
 
 
+def _key(case: dict[str, Any]) -> str:
+    suffix = "_contiguous_sender" if case.get("sender") == "contiguous" else ""
+    return f"bucketed_vs_plain_{case['preset']}{suffix}"
+
+
 def run(quick: bool = False, scratch: str | None = None) -> dict[str, Any]:
-    cases = [measure("tiny", 5)] if quick else [measure("tiny", 9), measure("small", 9)]
-    return {"quick": quick, "target": TARGET, "cases": cases,
-            "ratios": {f"bucketed_vs_plain_{c['preset']}": c["ratio"] for c in cases}}
+    cases = [measure("tiny", 5)] if quick else \
+        [measure("tiny", 9), measure("small", 9), measure("small", 9, contiguous_sender=True)]
+    return {"quick": quick, "target": TARGET, "cases": cases, "ratios": {_key(c): c["ratio"] for c in cases}}
 
 
 def table(result: dict[str, Any]) -> str:
     lines = ["weight sync benchmark: bucketed broadcast_weights vs one plain broadcast (gloo, 2 processes)",
-             f"{'model':<8}{'params':>9}{'MB':>7}{'project s':>11}{'plain s':>10}{'ratio':>8}{'min':>7}"
-             f"{'max':>7}  target  weights equal"]
+             f"{'model':<8}{'sender':>11}{'params':>9}{'MB':>7}{'project s':>11}{'plain s':>10}{'ratio':>8}"
+             f"{'min':>7}{'max':>7}  target  weights equal"]
     for c in result["cases"]:
         r = c["ratio"]
         ok = "met" if r["median"] <= TARGET else "MISSED"
-        lines.append(f"{c['preset']:<8}{c['params'] / 1e6:>8.2f}M{c['bytes'] / 1e6:>7.1f}"
-                     f"{c['project_s']['median']:>11.4f}{c['plain_s']['median']:>10.4f}{r['median']:>8.2f}"
-                     f"{r['min']:>7.2f}{r['max']:>7.2f}  <= {TARGET} {ok}  {c['weights_equal']}")
+        lines.append(f"{c['preset']:<8}{c.get('sender', 'separate'):>11}{c['params'] / 1e6:>8.2f}M"
+                     f"{c['bytes'] / 1e6:>7.1f}{c['project_s']['median']:>11.4f}{c['plain_s']['median']:>10.4f}"
+                     f"{r['median']:>8.2f}{r['min']:>7.2f}{r['max']:>7.2f}  <= {TARGET} {ok}  {c['weights_equal']}")
     return "\n".join(lines)

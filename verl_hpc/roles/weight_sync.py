@@ -3,14 +3,25 @@
 Colocated (hybrid engine): the trainer ranks themselves host the engine; parameters are
 gathered one at a time from the FSDP2 shards and copied straight into the engine's
 tensors, so no rank ever holds a second full copy of the model — at most one extra
-parameter. Split: trainer rank 0 packs the gathered parameters into flat buckets and
-broadcasts each over the sync group to the rollout ranks, which unpack them into their
-own copy. Both sides walk `named_parameters()` of the same architecture in the same
-order, so only a small header (version, count, bytes) crosses the wire besides data.
+parameter. Split: trainer rank 0 broadcasts the gathered parameters over the sync group
+to the rollout ranks. Both sides walk `named_parameters()` of the same architecture in
+the same order and cut it into the same buckets (`_buckets`, a pure function of the
+sizes), so only a small header (version, count, elements) crosses the wire besides data.
+
+No copy that can be avoided is made (bench/weight_sync.py: on this box a fresh 78 MB
+bucket cost more in page faults than the broadcast itself, and every copy competes with
+the transfer for the same memory bandwidth). A parameter of half a bucket or more
+travels alone, as the sender's own (or freshly gathered) tensor, and so does a run of
+parameters already back to back in one storage; the rest is packed into two bucket
+buffers reused across syncs. A receiver whose weights are views into one flat buffer
+(`flat_weights.flatten_params`: the HF engine's own copy) has every bucket land
+straight in its slice, nothing left to unpack.
 """
 
 from __future__ import annotations
 
+import weakref
+from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,13 +29,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from verl_hpc.roles.flat_weights import WIRE_DTYPE, flat_view, flatten_params, same_memory
 from verl_hpc.roles.fsdp import full_tensor
 
-# 16 MB: small enough that packing/unpacking one bucket hides behind the next one's
-# transfer (64 MB buckets left a 78 MB model in two and ran 3.6x a plain broadcast;
-# 16 MB: 1.4-1.8x on gloo here, bench/weight_sync.py), large enough for NCCL's bandwidth.
+# At most this many bytes of packed or gathered tensors are on the wire at once (two
+# buckets: the sender prepares one while the other crosses), so an FSDP sender never
+# holds more than that beyond its shards; large enough for NCCL's bandwidth.
 DEFAULT_BUCKET_BYTES = 16 * 2**20
 STOP_VERSION = -2  # a header with this version tells the receivers to stop: no weights follow
+# Per sending model: the two packing buffers, reused every sync; they go away with the model.
+_PACK_BUFFERS: weakref.WeakKeyDictionary[nn.Module, list[torch.Tensor]] = weakref.WeakKeyDictionary()
 
 
 class WeightSyncError(RuntimeError):
@@ -56,11 +70,17 @@ def gather_only(model: nn.Module) -> None:
 
 
 def _buckets(names_sizes: list[tuple[str, int]], bucket_bytes: int) -> list[list[int]]:
-    """Indices of consecutive parameters grouped so each bucket stays under the limit."""
-    buckets: list[list[int]] = [[]]
+    """Indices of consecutive parameters per broadcast, each bucket under the limit.
+
+    A parameter of half the limit or more travels alone, so a sender can broadcast its
+    own (or its freshly gathered) tensor without a packing copy; on gloo here one more
+    collective costs ~0.4 ms, the copy of a few MB less, so only big ones are worth it.
+    """
+    buckets: list[list[int]] = []
     used = 0
     for i, (_, nbytes) in enumerate(names_sizes):
-        if buckets[-1] and used + nbytes > bucket_bytes:
+        alone = 2 * nbytes >= bucket_bytes
+        if not buckets or alone or 2 * used >= bucket_bytes or used + nbytes > bucket_bytes:
             buckets.append([])
             used = 0
         buckets[-1].append(i)
@@ -68,55 +88,121 @@ def _buckets(names_sizes: list[tuple[str, int]], bucket_bytes: int) -> list[list
     return buckets
 
 
+class _Window:
+    """Broadcasts posted and not yet known to be done, oldest first, with the bytes they hold.
+
+    Posting waits for the oldest ones while more than `limit` bytes would ride at once:
+    that bounds what an FSDP sender's gathered tensors cost, and lets a packing buffer be
+    reused once the broadcast that last read it has finished.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None, src: int, limit: int):
+        self.group, self.src, self.limit = group, src, limit
+        self.works: deque[tuple[Any, int]] = deque()
+        self.bytes = 0
+
+    def post(self, tensor: torch.Tensor) -> Any:
+        nbytes = tensor.numel() * tensor.element_size()
+        while self.works and self.bytes + nbytes > self.limit:
+            self._finish_oldest()
+        if self.group is None:
+            return None
+        work = dist.broadcast(tensor, src=self.src, group=self.group, async_op=True)
+        self.works.append((work, nbytes))
+        self.bytes += nbytes
+        return work
+
+    def drain(self) -> None:
+        while self.works:
+            self._finish_oldest()
+
+    def _finish_oldest(self) -> None:
+        work, nbytes = self.works.popleft()
+        work.wait()
+        self.bytes -= nbytes
+
+
 def broadcast_weights(model: nn.Module, group: dist.ProcessGroup, src: int, version: int,
                       is_sender: bool, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> tuple[int, int]:
     """Bucketed broadcast from `src` (global rank) to every rank of `group`; returns (version, bytes).
 
     The sender passes its (possibly FSDP-sharded) actor; receivers pass a model of the
-    same architecture and get its parameters overwritten in place. The other trainer
-    ranks call `gather_only` at the same time, since the FSDP2 gathers are collectives.
+    same architecture and get its parameters overwritten in place (re-homed once into
+    one flat buffer when they are all float32, so later syncs land in place). The other
+    trainer ranks call `gather_only` at the same time, since the FSDP2 gathers are collectives.
     """
     params = list(model.named_parameters())
     device = params[0][1].device  # NCCL moves only GPU tensors; gloo takes either
     if not is_sender:
-        got, tensors = receive_weights([(n, p.shape) for n, p in params], group, src, bucket_bytes, device)
-        moved = _copy_into(params, tensors)
-        return got, moved
-    header = torch.tensor([version, len(params), sum(p.numel() for _, p in params)], dtype=torch.int64,
-                          device=device)
-    if group is not None:
-        dist.broadcast(header, src=src, group=group)
+        got, tensors = receive_weights([(n, p.shape) for n, p in params], group, src, bucket_bytes, device,
+                                       into=flatten_params(model))
+        return got, _copy_into(params, tensors)
+    window = _Window(group, src, limit=2 * bucket_bytes)
+    # Not waited for: the first bucket is prepared while the header crosses (one group: in order).
+    window.post(torch.tensor([version, len(params), sum(p.numel() for _, p in params)], dtype=torch.int64,
+                             device=device))
     if version == STOP_VERSION:
+        window.drain()
         return STOP_VERSION, 0
-    sizes = [(n, p.numel() * 4) for n, p in params]
-    sent = 0
+    sizes = [(n, p.numel() * WIRE_DTYPE.itemsize) for n, p in params]
+    sent, packed = 0, 0
+    readers: list[Any] = [None, None]  # the broadcast that last read each packing buffer
     gathered = iter_full_params(model)
-    in_flight: Any = None  # packing bucket k+1 overlaps with bucket k on the wire
     for bucket in _buckets(sizes, bucket_bytes):
-        flat = _pack([next(gathered)[1] for _ in bucket])
-        if in_flight is not None:
-            in_flight.wait()
-        in_flight = dist.broadcast(flat, src=src, group=group, async_op=True) if group is not None else None
+        tensors = [next(gathered)[1] for _ in bucket]
+        flat = flat_view(tensors)  # a lone float32 tensor, or a run already back to back: as it is
+        if flat is None and sum(t.numel() for t in tensors) * WIRE_DTYPE.itemsize > bucket_bytes:
+            # One parameter larger than a bucket that still needs a cast: a transient copy,
+            # not a kept buffer that large (a bf16 actor's embedding would pin GBs).
+            flat = tensors[0].detach().to(WIRE_DTYPE, memory_format=torch.contiguous_format).reshape(-1)
+            window.post(flat)
+        elif flat is None:
+            slot = packed % 2
+            if readers[slot] is not None:
+                readers[slot].wait()
+            flat = _pack(tensors, _pack_buffers(model, bucket_bytes, tensors[0].device)[slot])
+            packed += 1
+            readers[slot] = window.post(flat)
+        else:
+            window.post(flat)
         sent += flat.numel() * flat.element_size()
-    if in_flight is not None:
-        in_flight.wait()
+    window.drain()
     return version, sent
 
 
-def _pack(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """One flat float32 bucket; a lone contiguous float32 tensor is sent as it is (no copy)."""
-    if len(tensors) == 1 and tensors[0].dtype == torch.float32 and tensors[0].is_contiguous():
-        return tensors[0].detach().reshape(-1)
-    return torch.cat([t.float().reshape(-1) for t in tensors])
+def _pack_buffers(model: nn.Module, bucket_bytes: int, device: torch.device) -> list[torch.Tensor]:
+    """The model's two reusable packing buffers, (re)made when too small or on another device."""
+    numel = bucket_bytes // WIRE_DTYPE.itemsize
+    buffers = _PACK_BUFFERS.get(model)
+    if buffers is None or buffers[0].numel() < numel or buffers[0].device != device:
+        buffers = [torch.empty(numel, dtype=WIRE_DTYPE, device=device) for _ in range(2)]
+        _PACK_BUFFERS[model] = buffers
+    return buffers
+
+
+def _pack(tensors: list[torch.Tensor], buffer: torch.Tensor) -> torch.Tensor:
+    """Copy (and cast) the tensors back to back into the front of `buffer`; returns that slice."""
+    offset = sum(t.numel() for t in tensors)
+    if all(t.dtype == buffer.dtype for t in tensors):  # one op: many small copies cost more in calls
+        return torch.cat([t.reshape(-1) for t in tensors], out=buffer[:offset])
+    offset = 0
+    for tensor in tensors:
+        buffer[offset:offset + tensor.numel()].view(tensor.shape).copy_(tensor)
+        offset += tensor.numel()
+    return buffer[:offset]
 
 
 def receive_weights(specs: list[tuple[str, torch.Size]], group: dist.ProcessGroup, src: int,
                     bucket_bytes: int = DEFAULT_BUCKET_BYTES, device: torch.device | str = "cpu",
-                    ) -> tuple[int, Iterator[tuple[str, torch.Tensor]]]:
+                    into: torch.Tensor | None = None) -> tuple[int, Iterator[tuple[str, torch.Tensor]]]:
     """Receiver side of `broadcast_weights`: the version, then (name, tensor) as buckets land.
 
     The iterator must be consumed to the end (each bucket is a collective); an engine's
-    `load_weights` does exactly that. A STOP header yields no tensors.
+    `load_weights` does exactly that. A STOP header yields no tensors. `into`: a flat
+    float32 buffer holding the engine's weights in `specs` order (`engine_buffer`):
+    every bucket is received straight into it at once and the yielded tensors are views
+    of it, already in place. Without it (or if it does not fit) each bucket gets fresh
+    memory, one bucket ahead, which the consumer may keep (vLLM's loader holds them all).
     """
     header = torch.empty(3, dtype=torch.int64, device=device)
     dist.broadcast(header, src=src, group=group)
@@ -127,22 +213,28 @@ def receive_weights(specs: list[tuple[str, torch.Size]], group: dist.ProcessGrou
     if int(header[1]) != len(specs) or int(header[2]) != elements:
         raise WeightSyncError(f"actor and rollout models differ: sender has {int(header[1])} tensors / "
                               f"{int(header[2])} elements, receiver {len(specs)} / {elements}")
+    buckets = _buckets([(n, shape.numel() * WIRE_DTYPE.itemsize) for n, shape in specs], bucket_bytes)
+    if into is not None and not (into.dtype == WIRE_DTYPE and into.is_contiguous() and into.numel() == elements
+                                 and into.device.type == torch.device(device).type):
+        into = None
+    starts = [0]
+    for bucket in buckets:
+        starts.append(starts[-1] + sum(specs[i][1].numel() for i in bucket))
 
-    buckets = _buckets([(n, shape.numel() * 4) for n, shape in specs], bucket_bytes)
-
-    def post(bucket: list[int]) -> tuple[torch.Tensor, Any]:
-        flat = torch.empty(sum(specs[i][1].numel() for i in bucket), dtype=torch.float32, device=device)
+    def post(k: int) -> tuple[torch.Tensor, Any]:
+        flat = into[starts[k]:starts[k + 1]] if into is not None else \
+            torch.empty(starts[k + 1] - starts[k], dtype=WIRE_DTYPE, device=device)
         return flat, dist.broadcast(flat, src=src, group=group, async_op=True)
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
-        # Bucket k+1 is already being received while the consumer copies bucket k's tensors.
-        upcoming = post(buckets[0]) if buckets and buckets[0] else None
+        # In place, every bucket is posted at once; otherwise bucket k+1 is received while
+        # the consumer copies bucket k's tensors.
+        posted = [post(k) for k in range(len(buckets))] if into is not None else [post(0)] if buckets else []
         for k, bucket in enumerate(buckets):
-            if upcoming is None:
-                return
-            flat, work = upcoming
+            flat, work = posted[k]
             work.wait()
-            upcoming = post(buckets[k + 1]) if k + 1 < len(buckets) else None
+            if k + 1 == len(posted) < len(buckets):
+                posted.append(post(k + 1))
             offset = 0
             for i in bucket:
                 name, shape = specs[i]
@@ -170,6 +262,13 @@ def push_weights(named_tensors: Iterator[tuple[str, torch.Tensor]], engine, vers
 def _copy_into(params: list[tuple[str, nn.Parameter]], tensors: Iterator[tuple[str, torch.Tensor]]) -> int:
     moved = 0
     for (_, param), (_, tensor) in zip(params, tensors, strict=True):
-        param.copy_(tensor.to(param.device, param.dtype))
+        if not same_memory(param, tensor):  # received in place: nothing left to copy
+            param.copy_(tensor.to(param.device, param.dtype))
         moved += tensor.numel() * tensor.element_size()
     return moved
+
+
+def engine_buffer(engine: Any) -> torch.Tensor | None:
+    """The engine's weights as one flat buffer to receive into, if it keeps them that way (HF)."""
+    buffer = getattr(engine, "weight_buffer", None)
+    return buffer() if callable(buffer) else None

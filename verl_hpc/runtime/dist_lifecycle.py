@@ -19,6 +19,7 @@ from verl_hpc.roles.allocator import ResourceAllocator
 from verl_hpc.roles.weight_sync import (
     STOP_VERSION,
     broadcast_weights,
+    engine_buffer,
     gather_only,
     iter_full_params,
     push_weights,
@@ -86,7 +87,7 @@ class DistLifecycle:
             broadcast_weights(self.roles.actor.model, group, leader, self.policy_version, True)
         else:
             version, tensors = receive_weights(self.roles.engine.weight_specs(), group, leader,
-                                               device=self.roles.device)
+                                               device=self.roles.device, into=engine_buffer(self.roles.engine))
             if version != STOP_VERSION:
                 push_weights(tensors, self.roles.engine, version)
 

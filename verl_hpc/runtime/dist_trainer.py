@@ -34,6 +34,7 @@ from verl_hpc.roles.forward import to_device
 from verl_hpc.roles.weight_sync import (
     STOP_VERSION,
     broadcast_weights,
+    engine_buffer,
     gather_only,
     iter_full_params,
     push_weights,
@@ -391,7 +392,7 @@ class DistributedTrainer(DistLifecycle):
     def receive_weights(self) -> None:
         leader, engine = self.ctx.plan.group_ranks("trainer")[0], self.roles.engine
         version, tensors = receive_weights(engine.weight_specs(), self.ctx.sync_groups["rollout"], leader,
-                                           device=self.roles.device)
+                                           device=self.roles.device, into=engine_buffer(engine))
         if version == STOP_VERSION:
             self.stopping = True
             return

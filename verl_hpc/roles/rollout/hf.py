@@ -12,6 +12,7 @@ from collections.abc import Iterable
 import torch
 
 from verl_hpc.config import SamplingConfig
+from verl_hpc.roles.flat_weights import flatten_params, same_memory
 from verl_hpc.roles.forward import exclude_padding, unsampled_token
 from verl_hpc.roles.rollout.base import Generation
 
@@ -60,8 +61,17 @@ class HFRolloutEngine:
         params = dict(self.model.named_parameters())
         with torch.no_grad():
             for name, tensor in named_tensors:
-                params[name].copy_(tensor)
+                if not same_memory(params[name], tensor):  # a sync received into `weight_buffer` is in place
+                    params[name].copy_(tensor)
         self.policy_version = version
+
+    def weight_buffer(self) -> torch.Tensor | None:
+        """This engine's weights as one flat float32 buffer a split sync receives into (None: not fp32).
+
+        Only split placement calls it: there the engine holds its own copy. The embedded
+        runtime's engine shares the actor's module and must never be re-homed.
+        """
+        return flatten_params(self.model)
 
     def weight_specs(self) -> list[tuple[str, torch.Size]]:
         return [(name, p.shape) for name, p in self.model.named_parameters()]
