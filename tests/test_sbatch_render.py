@@ -109,7 +109,8 @@ def test_job_wide_flags_and_the_step_over_all_components() -> None:
     assert opts["signal"] == "B:USR1@77" and opts["time"] == "01:30:00"
     assert opts["output"] == "/scratch/runs/x/slurm/%j_batch.out" and opts["open-mode"] == "append"
     assert "requeue" in opts and opts["job-name"] == "verl-hpc-local"
-    step = ('srun --het-group=0-2 --kill-on-bad-exit=0 bash -c \'trap "" USR1 USR2; exec "$@"\' worker '
+    step = ('srun --het-group=0-2 --kill-on-bad-exit=0 bash -c \'trap "" USR1 USR2; : >"$VERL_HPC_LOG_DIR/'
+            '.usr1_ready_${SLURM_JOB_ID:-0}_${SLURM_RESTART_COUNT:-0}_${SLURM_PROCID:-0}"; exec "$@"\' worker '
             '"$VERL_HPC_PYTHON" -m verl_hpc.runtime.worker &')
     assert step in script
     assert 'export VERL_HPC_LOG_DIR="/scratch/runs/x/slurm/logs"' in script
@@ -239,8 +240,13 @@ def test_worker_redirects_fds_to_its_rank_log(tmp_path: Path) -> None:
     assert text.count("from python") == text.count("from fd 2") == text.count("from a child") == 2
 
 
+# Runs the task command as task 0; the other tasks (slurm_local has 4) count as started, with
+# USR1 ignored, unless STUB_TASKS_LATE is set (then the test writes their markers itself).
 STUB_SRUN = """#!/bin/bash
 while [[ "$1" == --* ]]; do shift; done
+if [ -z "${STUB_TASKS_LATE:-}" ]; then
+  for rank in 1 2 3; do : >"$VERL_HPC_LOG_DIR/.usr1_ready_${SLURM_JOB_ID:-0}_${SLURM_RESTART_COUNT:-0}_$rank"; done
+fi
 exec "$@"
 """
 # Stands in for the worker: records the signal it gets, then exits 7 (or 0 after 30 s). In Python,
@@ -266,10 +272,8 @@ kill -s TERM "$(cat "$VERL_HPC_LOG_DIR/pid")"
 """
 
 
-@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM])
-def test_batch_shell_passes_signals_to_the_step_and_exits_with_its_status(tmp_path: Path,
-                                                                          sig: signal.Signals) -> None:
-    """USR1 goes to srun (which relays it); TERM goes through scancel (srun would SIGKILL)."""
+def start_batch_script(tmp_path: Path, **env_vars: str) -> tuple[subprocess.Popen, Path]:
+    """The slurm_local script under bash with stub srun/python/scancel; returns it and its log folder."""
     bin_dir, run_dir = tmp_path / "bin", tmp_path / "run"
     bin_dir.mkdir()
     run_dir.mkdir()
@@ -280,11 +284,18 @@ def test_batch_shell_passes_signals_to_the_step_and_exits_with_its_status(tmp_pa
     cfg = load_config(REPO / "configs" / "slurm_local.yaml")
     script = tmp_path / "job.sbatch"
     script.write_text(render_sbatch(cfg, run_dir, run_dir / "slurm", str(bin_dir / "python")))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("VERL_HPC_")}
-    env.update(PATH=f"{bin_dir}:{env['PATH']}", SLURM_JOB_ID="77")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VERL_HPC_", "SLURM_"))}
+    env.update(PATH=f"{bin_dir}:{env['PATH']}", SLURM_JOB_ID="77", **env_vars)
     proc = subprocess.Popen(["bash", str(script)], env=env, stderr=subprocess.PIPE, stdout=subprocess.PIPE,
                             text=True)
-    logs = run_dir / "slurm" / "logs"
+    return proc, run_dir / "slurm" / "logs"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM])
+def test_batch_shell_passes_signals_to_the_step_and_exits_with_its_status(tmp_path: Path,
+                                                                          sig: signal.Signals) -> None:
+    """USR1 goes to srun (which relays it); TERM goes through scancel (srun would SIGKILL)."""
+    proc, logs = start_batch_script(tmp_path)
     deadline = time.monotonic() + 20
     while not (logs / "pid").exists() and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -297,3 +308,21 @@ def test_batch_shell_passes_signals_to_the_step_and_exits_with_its_status(tmp_pa
     scancel = logs / "scancel_args"
     assert scancel.read_text().split() == ["--signal=TERM", "77"] if sig == signal.SIGTERM else not scancel.exists()
     assert "job step exited with status 7" in out
+
+
+def test_batch_shell_holds_usr1_until_every_task_ignores_it(tmp_path: Path) -> None:
+    """A task killed by USR1 between its exec and its `trap` fails the job (a requeue-test flake):
+    the shell passes USR1 on only once all 4 tasks left their marker, then within its 5 s repeat."""
+    proc, logs = start_batch_script(tmp_path, STUB_TASKS_LATE="1", SLURM_RESTART_COUNT="2")
+    deadline = time.monotonic() + 20
+    while not (logs / "pid").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.2)  # let the batch shell reach its `wait`
+    proc.send_signal(signal.SIGUSR1)
+    time.sleep(1.5)
+    assert not (logs / "got_usr1").exists()  # 1 of 4 tasks ready: held back
+    for rank in (1, 2, 3):
+        (logs / f".usr1_ready_77_2_{rank}").touch()
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 7 and (logs / "got_usr1").exists(), (out, err)
+    assert (logs / ".usr1_ready_77_2_0").exists()  # the wrapper's own marker, named by job, restart, rank

@@ -106,7 +106,10 @@ def _ignores_usr1(pid: int) -> bool:
 def test_a_task_started_as_srun_starts_it_survives_usr1_every_few_ms(tmp_path: Path) -> None:
     """From the wrapper's `trap` (a few ms after exec) to the last instruction of the process: the
     Python start-up and the imports (seconds under load), the hand-over of handlers, and the exit."""
-    env = {**os.environ, "VERL_HPC_RUN_DIR": str(tmp_path), "VERL_HPC_LOG_DIR": ""}
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env.update(VERL_HPC_RUN_DIR=str(tmp_path), VERL_HPC_LOG_DIR=str(logs))
     proc = subprocess.Popen(_task_command(), cwd=REPO, env=env, text=True, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE)
     deadline = time.monotonic() + 10
@@ -124,3 +127,4 @@ def test_a_task_started_as_srun_starts_it_survives_usr1_every_few_ms(tmp_path: P
     assert proc.returncode != -signal.SIGUSR1, f"killed by USR1 number {sent}: {err[-2000:]}"
     assert proc.returncode == 1 and "config.yaml" in err, (proc.returncode, err[-2000:])
     assert sent > 100  # the storm covered the process's life, not just its last moment
+    assert [p.name for p in logs.iterdir()] == [".usr1_ready_0_0_0"]  # what the batch shell waits for

@@ -28,6 +28,8 @@ _SBATCH_VALUE = re.compile(r"^[^\s'\"\\]+$")
 # Variables of the submitting shell (sbatch exports it to the job) that would override
 # Slurm's description of the tasks: JobEnvironment prefers them (verl_hpc/runtime/env.py).
 _STALE_LAUNCHER_VARS = "VERL_HPC_RANK VERL_HPC_WORLD_SIZE RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE"
+# Left in the log folder by each task once it ignores USR1; + its SLURM_PROCID (see _signal_block).
+READY_MARKER = ".usr1_ready_${SLURM_JOB_ID:-0}_${SLURM_RESTART_COUNT:-0}_"
 
 
 @dataclass(frozen=True)
@@ -83,7 +85,7 @@ def _render(cfg: RunConfig, paths: ScriptPaths, version: str) -> str:
         if index:
             lines.append("#SBATCH hetjob")
         lines.extend(_component(plan, index, group))
-    lines += ["", *_prologue(cfg, paths), "", *_signal_block(cfg), "", *_step(plan)]
+    lines += ["", *_prologue(cfg, paths), "", *_signal_block(cfg, plan), "", *_step(plan)]
     return "\n".join(lines) + "\n"
 
 
@@ -195,7 +197,7 @@ def _prologue(cfg: RunConfig, paths: ScriptPaths) -> list[str]:
     ]
 
 
-def _signal_block(cfg: RunConfig) -> list[str]:
+def _signal_block(cfg: RunConfig, plan: ProcessPlan) -> list[str]:
     grace = cfg.slurm.signal_grace_seconds
     return [
         "# ---- signals ----",
@@ -209,18 +211,25 @@ def _signal_block(cfg: RunConfig) -> list[str]:
         "# sent to this shell alone (scancel -b) is passed on with `scancel --signal=TERM`: srun turns a",
         "# SIGTERM of its own into an immediate SIGKILL of every task (measured), which would skip the",
         "# final checkpoint. Workers may therefore see SIGTERM twice.",
-        "# A USR1 can come before the workers are ready for it (a preemption right at start-up): the",
-        "# tasks start with USR1 ignored so it cannot kill them, and this shell repeats it every 5 s",
-        "# until the step ends; each worker acts on the first one it records.",
+        "# A USR1 can come before the workers are ready for it (a preemption right at start-up): each",
+        "# task ignores USR1 from its first command on and then leaves a marker here; this shell passes",
+        "# USR1 on only once every task has left one (until its `trap` runs, USR1 would kill a task),",
+        "# and repeats it every 5 s until the step ends; each worker acts on the first one it records.",
         'step_pid=""',
         'usr1_pending=""',
+        f'ready="$VERL_HPC_LOG_DIR/{READY_MARKER}"',
+        'rm -f "$ready"*',
+        "all_ready() {",
+        '  set -- "$ready"*',
+        f'  [ -e "$1" ] && [ "$#" -ge {plan.world_size} ]',
+        "}",
         "forward() {",
         '  echo "verl-hpc: batch shell got SIG$1 at $(date \'+%F %T\'); passing it to the job step" >&2',
         '  if [ "$1" = USR1 ]; then usr1_pending=1; fi',
         '  if [ -z "$step_pid" ]; then return 0; fi',
         '  if [ "$1" = TERM ]; then',
         '    scancel --signal=TERM "${SLURM_JOB_ID:-}" 2>/dev/null || true',
-        "  else",
+        "  elif all_ready; then",
         '    kill -s "$1" "$step_pid" 2>/dev/null || true',
         "  fi",
         "}",
@@ -243,13 +252,14 @@ def _step(plan: ProcessPlan) -> list[str]:
         "# Not --kill-on-bad-exit: when a task dies, the others find out in their next collective and",
         "# fail within resources.timeout_seconds naming the rank that stopped (srun would SIGKILL them",
         "# first, and its message numbers tasks per component, which names nobody).",
-        f'{srun} bash -c \'trap "" USR1 USR2; exec "$@"\' worker "$VERL_HPC_PYTHON" -m {WORKER_MODULE} &',
+        f'{srun} bash -c \'trap "" USR1 USR2; : >"$VERL_HPC_LOG_DIR/{READY_MARKER}${{SLURM_PROCID:-0}}"; '
+        f'exec "$@"\' worker "$VERL_HPC_PYTHON" -m {WORKER_MODULE} &',
         "step_pid=$!",
         "# `wait` returns early whenever a trapped signal arrives: wait again while the step runs.",
         'while kill -0 "$step_pid" 2>/dev/null; do',
         '  if [ -n "$usr1_pending" ]; then',
         '    sleep 5 & wait $! || true',
-        '    kill -s USR1 "$step_pid" 2>/dev/null || true',
+        '    if all_ready; then kill -s USR1 "$step_pid" 2>/dev/null || true; fi',
         "  else",
         '    wait "$step_pid" || true',
         "  fi",
