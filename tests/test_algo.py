@@ -376,3 +376,24 @@ def test_masked_positions_never_affect_advantages() -> None:
     x = torch.randn(3, 5, generator=gen)
     torch.testing.assert_close(masked_whiten(with_garbage(x, mask, 11), mask), masked_whiten(x, mask))
     torch.testing.assert_close(masked_var(with_garbage(x, mask, 12), mask), masked_var(x, mask))
+
+
+def test_a_non_finite_gradient_skips_the_step_for_actor_and_critic_alike() -> None:
+    from verl_hpc.config.schema import OptimConfig
+    from verl_hpc.roles.actor import Actor
+    from verl_hpc.roles.critic import Critic
+    from verl_hpc.roles.optimizer import OptimizedModel
+
+    assert issubclass(Actor, OptimizedModel) and issubclass(Critic, OptimizedModel)
+    role = OptimizedModel(torch.nn.Linear(3, 1), OptimConfig(lr=0.1, grad_clip=1.0), total_steps=10)
+    before = role.model.weight.detach().clone()
+    role.model(torch.ones(1, 3)).sum().mul(float("nan")).backward()
+    assert math.isnan(role.clip_and_step())
+    assert torch.equal(role.model.weight, before)  # weights untouched, optimizer state empty
+    assert not role.optimizer.state
+    role.model(torch.ones(1, 3)).sum().backward()
+    assert math.isfinite(role.clip_and_step())
+    assert not torch.equal(role.model.weight, before)
+    restored = OptimizedModel(torch.nn.Linear(3, 1), OptimConfig(lr=0.1), total_steps=10)
+    restored.load_state_dict(role.state_dict())
+    assert torch.equal(restored.model.weight, role.model.weight)

@@ -9,7 +9,6 @@ weights move between them, so the old logprobs are computed up front instead.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -20,23 +19,7 @@ from verl_hpc.config import AlgorithmConfig
 from verl_hpc.config.schema import OptimConfig
 from verl_hpc.roles.allocator import ResourceAllocator
 from verl_hpc.roles.forward import batched_logprobs, micro_batches, response_logprobs
-from verl_hpc.roles.fsdp import to_float
-
-
-def build_optimizer(params, cfg: OptimConfig, total_steps: int):
-    """AdamW and a per-step LR schedule (linear warm-up, then constant or cosine)."""
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
-
-    def factor(step: int) -> float:
-        if cfg.warmup_steps and step < cfg.warmup_steps:
-            return (step + 1) / cfg.warmup_steps
-        if cfg.schedule == "cosine":
-            span = max(1, total_steps - cfg.warmup_steps)
-            progress = min(1.0, (step - cfg.warmup_steps) / span)
-            return 0.5 * (1.0 + math.cos(math.pi * progress))
-        return 1.0
-
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+from verl_hpc.roles.optimizer import OptimizedModel
 
 
 @dataclass
@@ -78,14 +61,12 @@ def data_parallel_scale(mask: torch.Tensor, agg_mode: str, group: dist.ProcessGr
     return float(local) * dist.get_world_size(group) / max(float(total), 1.0)
 
 
-class Actor:
+class Actor(OptimizedModel):
     def __init__(self, model: torch.nn.Module, algo: AlgorithmConfig, optim: OptimConfig, total_steps: int,
                  dp_group: dist.ProcessGroup | None = None):
-        self.model = model
+        super().__init__(model, optim, total_steps)
         self.dp_group = dp_group
         self.algo = algo
-        self.optim_cfg = optim
-        self.optimizer, self.scheduler = build_optimizer(model.parameters(), optim, total_steps)
         self.allocator = ResourceAllocator()  # the trainer sets device and floor (trainer.min_micro_batch_size)
 
     def compute_logprobs(self, inputs: dict[str, torch.Tensor], micro_batch_size: int) -> torch.Tensor:
@@ -140,26 +121,8 @@ class Actor:
             for key, value in (("pg_loss", pg), ("entropy", ent), ("kl_loss", kl_value),
                                ("pg_clipfrac", pg_stats["clipfrac"]), ("ppo_kl", pg_stats["approx_kl"])):
                 sums[key] += float(value.detach()) * weight / dp_scale
-        grad_norm = self._clip_and_step()
+        grad_norm = self.clip_and_step()
         return {**sums, "grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0]}
-
-    def _clip_and_step(self) -> float:
-        max_norm = self.optim_cfg.grad_clip or float("inf")
-        grad_norm = to_float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
-        if math.isfinite(grad_norm):
-            self.optimizer.step()
-        else:  # a non-finite gradient would poison the weights: skip this step, keep training
-            self.optimizer.zero_grad(set_to_none=True)
-        return grad_norm
-
-    def state_dict(self) -> dict:
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
 
     def old_logprobs_needed(self, plan: UpdatePlan, batch_size: int) -> bool:
         return not plan.single_pass(batch_size)

@@ -13,9 +13,9 @@ from torch import nn
 from verl_hpc.algo import value_loss
 from verl_hpc.config import AlgorithmConfig
 from verl_hpc.config.schema import OptimConfig
-from verl_hpc.roles.actor import UpdatePlan, build_optimizer, data_parallel_scale, micro_weight
+from verl_hpc.roles.actor import UpdatePlan, data_parallel_scale, micro_weight
 from verl_hpc.roles.forward import micro_batches
-from verl_hpc.roles.fsdp import to_float
+from verl_hpc.roles.optimizer import OptimizedModel
 
 
 class ValueModel(nn.Module):
@@ -43,14 +43,12 @@ class ValueModel(nn.Module):
         return self.value_head(hidden[:, -resp_len - 1:-1, :]).squeeze(-1).float()
 
 
-class Critic:
+class Critic(OptimizedModel):
     def __init__(self, model: ValueModel, algo: AlgorithmConfig, optim: OptimConfig, total_steps: int,
                  dp_group=None):
-        self.model = model
+        super().__init__(model, optim, total_steps)
         self.dp_group = dp_group
         self.algo = algo
-        self.optim_cfg = optim
-        self.optimizer, self.scheduler = build_optimizer(model.parameters(), optim, total_steps)
 
     @torch.no_grad()
     def compute_values(self, inputs: dict[str, torch.Tensor], micro_batch_size: int) -> torch.Tensor:
@@ -86,16 +84,5 @@ class Critic:
             (loss * weight * dp_scale).backward()
             sums["vf_loss"] += float(loss.detach()) * weight
             sums["vf_clipfrac"] += float(stats["vf_clipfrac"]) * weight
-        max_norm = self.optim_cfg.grad_clip or float("inf")
-        sums["grad_norm"] = to_float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
-        self.optimizer.step()
+        sums["grad_norm"] = self.clip_and_step()
         return sums
-
-    def state_dict(self) -> dict:
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])

@@ -1,0 +1,60 @@
+"""What the actor and the critic share: AdamW with a per-step LR schedule, the clipped step, the state.
+
+Why one place: a trained role's checkpointed state is exactly model + optimizer + LR
+schedule, and its step must treat a non-finite gradient the same way for both (skip
+the step rather than poison the weights); two copies had already drifted apart (the
+critic stepped on non-finite gradients).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from verl_hpc.config.schema import OptimConfig
+from verl_hpc.roles.fsdp import to_float
+
+
+def build_optimizer(params, cfg: OptimConfig, total_steps: int):
+    """AdamW and a per-step LR schedule (linear warm-up, then constant or cosine)."""
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+
+    def factor(step: int) -> float:
+        if cfg.warmup_steps and step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        if cfg.schedule == "cosine":
+            span = max(1, total_steps - cfg.warmup_steps)
+            progress = min(1.0, (step - cfg.warmup_steps) / span)
+            return 0.5 * (1.0 + math.cos(math.pi * progress))
+        return 1.0
+
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+class OptimizedModel:
+    """A model trained by its own AdamW; subclasses add the loss."""
+
+    def __init__(self, model: torch.nn.Module, optim: OptimConfig, total_steps: int) -> None:
+        self.model = model
+        self.optim_cfg = optim
+        self.optimizer, self.scheduler = build_optimizer(model.parameters(), optim, total_steps)
+
+    def clip_and_step(self) -> float:
+        """Clip the gradient norm and step; a non-finite norm skips the step. Returns the norm."""
+        max_norm = self.optim_cfg.grad_clip or float("inf")
+        grad_norm = to_float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
+        else:  # a non-finite gradient would poison the weights: skip this step, keep training
+            self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm
+
+    def state_dict(self) -> dict:
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
