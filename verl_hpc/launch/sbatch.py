@@ -29,7 +29,8 @@ _SBATCH_VALUE = re.compile(r"^[^\s'\"\\]+$")
 # Slurm's description of the tasks: JobEnvironment prefers them (verl_hpc/runtime/env.py).
 _STALE_LAUNCHER_VARS = "VERL_HPC_RANK VERL_HPC_WORLD_SIZE RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE"
 # Left in the log folder by each task once it ignores USR1; + its SLURM_PROCID (see _signal_block).
-READY_MARKER = ".usr1_ready_${SLURM_JOB_ID:-0}_${SLURM_RESTART_COUNT:-0}_"
+READY_PREFIX = ".usr1_ready_${SLURM_JOB_ID:-0}_"
+READY_MARKER = READY_PREFIX + "${SLURM_RESTART_COUNT:-0}_"
 
 
 @dataclass(frozen=True)
@@ -218,7 +219,7 @@ def _signal_block(cfg: RunConfig, plan: ProcessPlan) -> list[str]:
         'step_pid=""',
         'usr1_pending=""',
         f'ready="$VERL_HPC_LOG_DIR/{READY_MARKER}"',
-        'rm -f "$ready"*',
+        f'rm -f "$VERL_HPC_LOG_DIR/{READY_PREFIX}"*  # markers of this job\'s earlier attempts',
         "all_ready() {",
         '  set -- "$ready"*',
         f'  [ -e "$1" ] && [ "$#" -ge {plan.world_size} ]',
