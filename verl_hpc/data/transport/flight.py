@@ -324,14 +324,20 @@ class RolloutFlightClient:
             self._stream = None
 
     def _close_if_idle(self, idle_s: float) -> None:
-        """Called by the idle closer; a put in progress (lock held) is never interrupted."""
+        """Called by the idle closer; a put in progress (lock held) is never interrupted.
+
+        The stream is detached under the lock but closed outside it, so a slow close (a
+        dead connection) cannot hold up the next put, which simply opens a new stream.
+        """
         if not self._lock.acquire(blocking=False):
             return
         try:
-            if self._stream is not None and time.monotonic() - self._last_used >= idle_s:
-                self._drop_stream()
+            idle = self._stream is not None and time.monotonic() - self._last_used >= idle_s
+            stream, self._stream = (self._stream, None) if idle else (None, self._stream)
         finally:
             self._lock.release()
+        if stream is not None:
+            stream.close()
 
     def ping(self) -> float:
         """Round-trip seconds of an authenticated no-op; raises if refused or unreachable."""
