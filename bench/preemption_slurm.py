@@ -230,6 +230,7 @@ def run(quick: bool = False, scratch: str | None = None) -> dict[str, Any]:
     try:
         cluster = find_cluster(work)
         if isinstance(cluster, str):
+            shutil.rmtree(work, ignore_errors=True)
             return {**base, "skipped": cluster, "cases": [], "ratios": {}}
         try:
             from verl_hpc.models.tiny import init_model  # torch: only once there is a cluster to use
@@ -242,8 +243,10 @@ def run(quick: bool = False, scratch: str | None = None) -> dict[str, Any]:
                     samples[config].append(one_preemption(cluster, config, run_dir, model, timeout=600))
         finally:
             stop_cluster(cluster)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    except BaseException:
+        print(f"preemption (Slurm) benchmark failed; its run directories are kept in {work}", file=sys.stderr)
+        raise
+    shutil.rmtree(work, ignore_errors=True)
     cases, ratios = [], {}
     for config, done in samples.items():
         fields = {key: _summary([s[key] for s in done]) for key in done[0]}
