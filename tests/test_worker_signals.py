@@ -126,5 +126,5 @@ def test_a_task_started_as_srun_starts_it_survives_usr1_every_few_ms(tmp_path: P
     _, err = proc.communicate(timeout=60)
     assert proc.returncode != -signal.SIGUSR1, f"killed by USR1 number {sent}: {err[-2000:]}"
     assert proc.returncode == 1 and "config.yaml" in err, (proc.returncode, err[-2000:])
-    assert sent > 100  # the storm covered the process's life, not just its last moment
+    assert sent > 20  # the storm covered the process's life (seconds of imports), not just its last moment
     assert [p.name for p in logs.iterdir()] == [".usr1_ready_0_0_0"]  # what the batch shell waits for
