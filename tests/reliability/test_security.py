@@ -88,3 +88,33 @@ def test_reward_code_runs_only_from_the_configured_path(tmp_path: Path, monkeypa
     fn = resolve_function(f"{chosen / 'rewards.py'}:score", "reward.function")
     assert fn(prompt="", response="", ground_truth="") == 2.0
     assert not (tmp_path / "decoy-ran").exists()
+
+
+def test_rendezvous_keys_are_out_of_reach_without_the_run_secret() -> None:
+    """torch's TCPStore takes any client; ours keeps every key under a name only the secret derives."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from verl_hpc.runtime.dist import secret_store
+    from verl_hpc.runtime.env import JobEnvironment, free_port
+
+    port = free_port()
+    env = JobEnvironment.from_env({"VERL_HPC_RANK": "0", "VERL_HPC_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                                   "MASTER_PORT": str(port)})
+    timeout = timedelta(seconds=2)
+    ours = secret_store(env, "s3cret" * 8, timeout)
+    ours.set("rank_0_address", "10.0.0.1:4242")
+    stranger = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)  # the port is open to anyone
+    assert stranger.num_keys() >= 1  # it reaches the server...
+    assert not stranger.check(["rank_0_address"])  # ...but cannot name our key
+    with pytest.raises(dist.DistStoreError):
+        stranger.get("rank_0_address")
+    wrong = secret_store(JobEnvironment.from_env({"VERL_HPC_RANK": "1", "VERL_HPC_WORLD_SIZE": "2",
+                                                  "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}),
+                         "guess" * 8, timeout)
+    assert not wrong.check(["rank_0_address"])
+    same = secret_store(JobEnvironment.from_env({"VERL_HPC_RANK": "1", "VERL_HPC_WORLD_SIZE": "2",
+                                                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}),
+                        "s3cret" * 8, timeout)
+    assert same.get("rank_0_address") == b"10.0.0.1:4242"

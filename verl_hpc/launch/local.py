@@ -36,7 +36,6 @@ import contextlib
 import ctypes
 import os
 import signal
-import socket
 import subprocess
 import threading
 import time
@@ -47,6 +46,7 @@ from pathlib import Path
 import psutil
 
 from verl_hpc.config.placement import ProcessPlan
+from verl_hpc.runtime.env import free_port
 from verl_hpc.utils.logging import get_logger
 
 log = get_logger("launch")
@@ -84,14 +84,6 @@ def _pdeathsig_preexec(parent_pid: int) -> Callable[[], None]:
             os.kill(os.getpid(), signal.SIGKILL)
 
     return preexec
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port the OS just reported free. Racy by nature (another process may take it
-    before the workers bind it), which is acceptable for one-machine runs."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def describe_exit(returncode: int | None) -> str:

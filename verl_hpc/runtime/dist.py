@@ -12,6 +12,7 @@ synchronisation goes through a gloo group and `monitored_barrier`, and a timeout
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -176,7 +177,7 @@ def with_cpu_path(backend: str) -> str:
 
 
 def init_distributed(env: JobEnvironment, plan: ProcessPlan, backend: str,
-                     timeout_seconds: float) -> DistContext:
+                     timeout_seconds: float, secret: str | None = None) -> DistContext:
     """Join the world and build every group of the plan.
 
     Why every rank creates every group, in the same order, even groups it is not in:
@@ -193,13 +194,33 @@ def init_distributed(env: JobEnvironment, plan: ProcessPlan, backend: str,
         raise RuntimeError("torch.distributed is already initialised in this process; "
                            "call DistContext.destroy() first")
     timeout = timedelta(seconds=timeout_seconds)
-    dist.init_process_group(with_cpu_path(backend), init_method=_init_method(env), rank=env.rank,
-                            world_size=env.world_size, timeout=timeout)
+    if env.scheduler == "torchrun" or secret is None:  # torchrun's agent hosts (and owns) the store
+        dist.init_process_group(with_cpu_path(backend), init_method=_init_method(env), rank=env.rank,
+                                world_size=env.world_size, timeout=timeout)
+    else:
+        dist.init_process_group(with_cpu_path(backend), store=secret_store(env, secret, timeout), rank=env.rank,
+                                world_size=env.world_size, timeout=timeout)
     try:
         return _build_groups(env, plan, backend, timeout, timeout_seconds)
     except BaseException:
         dist.destroy_process_group()
         raise
+
+
+def secret_store(env: JobEnvironment, secret: str, timeout: timedelta) -> dist.Store:
+    """Rank 0's TCP store, with every key under a name derived from the run's secret.
+
+    Why: torch's TCPStore has no authentication and listens on all interfaces, so anyone
+    who reaches MASTER_PORT could read the ranks' gloo/NCCL addresses and NCCL ids or
+    overwrite them. The store has no call that lists keys, so a client that does not know
+    the prefix cannot name any key of ours: it can still connect (and load the server),
+    but not read or change the rendezvous. The prefix is a hash, never the secret itself,
+    so the key names on the wire give away nothing that authenticates to Flight.
+    """
+    digest = hashlib.sha256(f"verl-hpc rendezvous\0{secret}".encode()).hexdigest()[:32]
+    store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=env.rank == 0,
+                          timeout=timeout)
+    return dist.PrefixStore(f"verl_hpc/{digest}", store)
 
 
 def _init_method(env: JobEnvironment) -> str:

@@ -137,7 +137,8 @@ def port_from_job_id(job_id: str | None, base: int) -> int:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port the OS says is free now (a single process has nobody to agree with)."""
+    """A port the OS says is free now. Racy by nature (another process may take it before
+    the workers bind it), which is acceptable for one-machine runs."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])

@@ -22,6 +22,7 @@ from pathlib import Path  # noqa: E402
 
 from verl_hpc.config import load_config  # noqa: E402
 from verl_hpc.config.placement import plan_for_config  # noqa: E402
+from verl_hpc.data.transport import read_run_secret  # noqa: E402
 from verl_hpc.runtime.dist import init_distributed  # noqa: E402
 from verl_hpc.runtime.dist_trainer import DistributedTrainer  # noqa: E402
 from verl_hpc.runtime.env import JobEnvironment  # noqa: E402
@@ -85,7 +86,8 @@ def main() -> int:
     redirect_output(os.environ.get("VERL_HPC_LOG_DIR"), group.name, env)
     setup_logging(run_dir / "logs", group.name, env.rank, cfg.logging.level, console=rank_in_group == 0)
     env.write_debug_file(run_dir / "logs" / f"env_{group.name}_rank{env.rank}.json")
-    ctx = init_distributed(env, plan, cfg.resources.resolved_backend(), cfg.resources.timeout_seconds)
+    ctx = init_distributed(env, plan, cfg.resources.resolved_backend(), cfg.resources.timeout_seconds,
+                           secret=read_run_secret(run_dir))
     get_logger("worker").info("joined the world: rank %d of %d, %s rank %d, backend %s", env.rank,
                               env.world_size, group.name, rank_in_group, cfg.resources.resolved_backend())
     try:
