@@ -99,3 +99,22 @@ def test_floor_that_does_not_fit_fails_the_run_with_the_numbers(tmp_path: Path, 
     data["trainer"]["min_micro_batch_size"] = 8
     with pytest.raises(OutOfMemoryAtFloor, match=r"train ran out of memory at micro-batch 8; .* GiB free"):
         HybridTrainer(config=data, run_dir=tmp_path / "run").train()
+
+
+@pytest.mark.slow
+def test_learned_micro_batch_survives_a_restart_on_the_same_resources(
+        tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An OOM learned before a preemption is not paid again after it: the size is checkpointed."""
+    from verl_hpc.runtime.trainer import HybridTrainer
+
+    data = quick_dict(tiny_model_dir, steps=2)
+    data["trainer"]["save_hf_model"] = False
+    monkeypatch.setenv(INJECT_ENV, "train:32")
+    HybridTrainer(config=data, run_dir=tmp_path / "run").train()
+    monkeypatch.delenv(INJECT_ENV)  # after the restart 32 rows would fit: only the checkpoint says 16
+    data["trainer"]["total_steps"] = 4
+    HybridTrainer(config=data, run_dir=tmp_path / "run").train()
+    rows = read_jsonl_metrics(tmp_path / "run" / "tensorboard" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["resource/micro_batch_size/train"] for r in rows] == [16.0] * 4
+    assert [r["resource/degrade_events"] for r in rows] == [1.0] * 4  # one event, counted once across the restart

@@ -5,7 +5,8 @@ its micro-batches (each loss weighted by its share of the mini-batch, `micro_wei
 then steps the optimizer once. An out-of-memory error inside that sequence leaves the
 weights untouched, so the whole optimizer step can run again with micro-batches half as
 big; gradient accumulation makes the result the same up to float summation order.
-The smaller size is kept for later steps (memory that ran out once will run out again).
+The smaller size is kept for later steps (memory that ran out once will run out again),
+and checkpointed with the actor: a restart on the same resources starts at it.
 
 For generation a retry cuts the prompts into smaller chunks: the run stays valid, but
 sampling draws random numbers per chunk, so the samples are not those an undisturbed
@@ -23,7 +24,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import psutil
 import torch
@@ -109,6 +110,14 @@ class ResourceAllocator:
         self.degrade_events += 1
         log.warning("%s: retrying at micro-batch %d (degrade event %d)", numbers, smaller, self.degrade_events)
         return smaller
+
+    def state_dict(self) -> dict[str, Any]:
+        """The sizes learned from OOMs: a restart on the same resources would only rediscover them."""
+        return {"sizes": dict(self.sizes), "degrade_events": self.degrade_events}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.sizes = {str(phase): int(size) for phase, size in state.get("sizes", {}).items()}
+        self.degrade_events = int(state.get("degrade_events", 0))
 
     def metrics(self) -> dict[str, float]:
         out = {"resource/degrade_events": float(self.degrade_events)}

@@ -122,7 +122,8 @@ class RunCheckpointer:
         state = {**(extra_state or {}), "step": step, "policy_version": policy_version,
                  "sampler": sampler.state_dict(),
                  "actor_scheduler": actor.scheduler.state_dict(),
-                 "critic_scheduler": critic.scheduler.state_dict() if critic is not None else None}
+                 "critic_scheduler": critic.scheduler.state_dict() if critic is not None else None,
+                 "actor_allocator": actor.allocator.state_dict()}
         meta = {"world_sizes": self.world_sizes, "model_dir": str(expand_path(self.cfg.model.path)),
                 "config_hash": run_state.config_hash((self.run_dir / "config.yaml").read_text()),
                 "policy_version": policy_version}
@@ -149,6 +150,8 @@ class RunCheckpointer:
         if critic is not None and run.get("critic_scheduler"):
             critic.scheduler.load_state_dict(run["critic_scheduler"])
         recorded = manifest.get("meta", {}).get("world_sizes")
+        if run.get("actor_allocator") and recorded == self.world_sizes:  # new resources: learn afresh
+            actor.allocator.load_state_dict(run["actor_allocator"])
         # The duration and a sub-second wall clock ride along: the preemption benchmark splits a
         # restart into start-up and restore with them (the log's own time field has 1 s steps).
         seconds = time.perf_counter() - start
