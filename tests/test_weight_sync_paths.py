@@ -4,7 +4,8 @@ In place: an HF engine's parameters become views of one flat buffer and every la
 lands in that same memory (no new tensors, nothing unpacked). Fallbacks: a consumer that
 keeps every tensor (vLLM's loader) gets fresh, still-valid buckets; a bfloat16 receiver
 gets the cast; a sender whose parameters lie back to back sends views; a bfloat16
-sender casts on the way out. All bit for bit.
+sender casts on the way out. All bit for bit, both between a pair (per-parameter
+send/recv) and to two receivers (bucketed broadcast, packing included).
 """
 
 from __future__ import annotations
@@ -160,12 +161,12 @@ def _receiver(out: Path) -> None:
     params = dict(engine.model.named_parameters())
     in_place = all(same_memory(params[n], t) for n, t in keeper.kept.items())
     torch.save({"got": got, "ptrs": ptrs, "landed_in_place": landed_in_place, "keeper_in_engine": in_place},
-               out / "got.pt")
+               out / f"got{dist.get_rank()}.pt")
 
 
-def _worker(rank: int, out: str) -> None:
+def _worker(rank: int, world: int, out: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{os.path.join(out, 'init')}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=f"file://{os.path.join(out, 'init')}", rank=rank, world_size=world)
     try:
         _sender(_model(0), Path(out)) if rank == 0 else _receiver(Path(out))
         dist.barrier()
@@ -174,10 +175,15 @@ def _worker(rank: int, out: str) -> None:
 
 
 @pytest.mark.slow
-def test_in_place_and_fallback_syncs_are_bit_exact(tmp_path: Path) -> None:
-    mp.start_processes(_worker, args=(str(tmp_path),), nprocs=2, start_method="spawn", join=True)
+@pytest.mark.parametrize("world", [2, 3], ids=["pair-send-recv", "broadcast-to-two"])
+def test_in_place_and_fallback_syncs_are_bit_exact(tmp_path: Path, world: int) -> None:
+    mp.start_processes(_worker, args=(world, str(tmp_path)), nprocs=world, start_method="spawn", join=True)
     sent = torch.load(tmp_path / "sent.pt", weights_only=True)
-    result = torch.load(tmp_path / "got.pt", weights_only=True)
+    for rank in range(1, world):
+        _check_receiver(sent, torch.load(tmp_path / f"got{rank}.pt", weights_only=True))
+
+
+def _check_receiver(sent: list[dict[str, torch.Tensor]], result: dict) -> None:
     assert [version for version, _ in result["got"]] == [1, 2, 3, 4, 5, 6]
     for k, (_, weights) in enumerate(result["got"]):
         for name, value in sent[k].items():

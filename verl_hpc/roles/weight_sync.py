@@ -13,7 +13,10 @@ bucket cost more in page faults than the broadcast itself, and every copy compet
 the transfer for the same memory bandwidth). A parameter of half a bucket or more
 travels alone, as the sender's own (or freshly gathered) tensor, and so does a run of
 parameters already back to back in one storage; the rest is packed into two bucket
-buffers reused across syncs. A receiver whose weights are views into one flat buffer
+buffers reused across syncs. With a single receiver the transfers are point-to-point
+sends (`_peer`), cheap enough that anything from 256 KB goes alone: nothing but norms
+is copied. With several receivers they are broadcasts, and only half-bucket tensors go
+alone. A receiver whose weights are views into one flat buffer
 (`flat_weights.flatten_params`: the HF engine's own copy) has every bucket land
 straight in its slice, nothing left to unpack.
 """
@@ -36,6 +39,9 @@ from verl_hpc.roles.fsdp import full_tensor
 # buckets: the sender prepares one while the other crosses), so an FSDP sender never
 # holds more than that beyond its shards; large enough for NCCL's bandwidth.
 DEFAULT_BUCKET_BYTES = 16 * 2**20
+# Between a pair (point-to-point) a transfer is cheap enough that a parameter this large
+# goes alone rather than be copied; smaller ones (norms, a tiny model) still share a bucket.
+PAIR_ALONE_BYTES = 256 * 2**10
 STOP_VERSION = -2  # a header with this version tells the receivers to stop: no weights follow
 # Per sending model: the two packing buffers, reused every sync; they go away with the model.
 _PACK_BUFFERS: weakref.WeakKeyDictionary[nn.Module, list[torch.Tensor]] = weakref.WeakKeyDictionary()
@@ -69,18 +75,21 @@ def gather_only(model: nn.Module) -> None:
         pass
 
 
-def _buckets(names_sizes: list[tuple[str, int]], bucket_bytes: int) -> list[list[int]]:
-    """Indices of consecutive parameters per broadcast, each bucket under the limit.
+def _buckets(names_sizes: list[tuple[str, int]], bucket_bytes: int, alone_bytes: int | None = None,
+             ) -> list[list[int]]:
+    """Indices of consecutive parameters per transfer, each bucket under the limit.
 
-    A parameter of half the limit or more travels alone, so a sender can broadcast its
-    own (or its freshly gathered) tensor without a packing copy; on gloo here one more
-    collective costs ~0.4 ms, the copy of a few MB less, so only big ones are worth it.
+    A parameter of `alone_bytes` (default: half the limit) or more travels alone, so a
+    sender can send its own (or its freshly gathered) tensor without a packing copy; on
+    gloo here one more broadcast costs ~0.4 ms, the copy of a few MB less, so only big
+    ones are worth it there.
     """
+    alone_bytes = bucket_bytes // 2 if alone_bytes is None else alone_bytes
     buckets: list[list[int]] = []
     used = 0
     for i, (_, nbytes) in enumerate(names_sizes):
-        alone = 2 * nbytes >= bucket_bytes
-        if not buckets or alone or 2 * used >= bucket_bytes or used + nbytes > bucket_bytes:
+        alone = nbytes >= alone_bytes
+        if not buckets or alone or used >= alone_bytes or used + nbytes > bucket_bytes:
             buckets.append([])
             used = 0
         buckets[-1].append(i)
@@ -88,26 +97,71 @@ def _buckets(names_sizes: list[tuple[str, int]], bucket_bytes: int) -> list[list
     return buckets
 
 
+def _peer(group: dist.ProcessGroup | None, src: int) -> int | None:
+    """The lone receiver's global rank when the sync group is a pair; None for a broadcast.
+
+    A pair moves every parameter of `PAIR_ALONE_BYTES` or more as its own send/recv,
+    straight from the sender's tensor into the receiver's slice, and packs only runs of
+    smaller ones. Gloo runs point-to-point without its collective work queue: the small
+    model's sync this way took 1.2-1.3x one plain broadcast of its bytes, bucketed
+    broadcasts 1.4-1.5x, one broadcast per parameter 2x (bench/weight_sync.py, 30 Nov).
+    """
+    if group is None or dist.get_world_size(group) != 2:
+        return None
+    return next(rank for rank in dist.get_process_group_ranks(group) if rank != src)
+
+
+def _plan(sizes: list[tuple[str, int]], bucket_bytes: int, pair: bool) -> list[list[int]]:
+    """What each transfer carries: between a pair, anything from 256 KB alone; else `_buckets`."""
+    return _buckets(sizes, bucket_bytes, min(PAIR_ALONE_BYTES, bucket_bytes // 2) if pair else None)
+
+
+class _Once:
+    """A posted transfer that may be waited for twice: gloo's send/recv work blocks forever
+    on a second `wait()` (a packing buffer's last reader is also in the window)."""
+
+    def __init__(self, work: Any):
+        self.work, self.done = work, False
+
+    def wait(self) -> None:
+        if not self.done:
+            self.work.wait()
+            self.done = True
+
+
+def _transfer(tensor: torch.Tensor, k: int, src: int, group: dist.ProcessGroup, peer: int | None,
+              sending: bool) -> _Once:
+    """Post transfer `k` (async): a broadcast, or between a pair a send/recv tagged `k`."""
+    if peer is None:
+        return _Once(dist.broadcast(tensor, src=src, group=group, async_op=True))
+    if sending:
+        return _Once(dist.isend(tensor, dst=peer, group=group, tag=k))
+    return _Once(dist.irecv(tensor, src=src, group=group, tag=k))
+
+
 class _Window:
-    """Broadcasts posted and not yet known to be done, oldest first, with the bytes they hold.
+    """Transfers posted and not yet known to be done, oldest first, with the bytes they hold.
 
     Posting waits for the oldest ones while more than `limit` bytes would ride at once:
     that bounds what an FSDP sender's gathered tensors cost, and lets a packing buffer be
-    reused once the broadcast that last read it has finished.
+    reused once the transfer that last read it has finished.
     """
 
     def __init__(self, group: dist.ProcessGroup | None, src: int, limit: int):
         self.group, self.src, self.limit = group, src, limit
+        self.peer = _peer(group, src)
         self.works: deque[tuple[Any, int]] = deque()
         self.bytes = 0
 
-    def post(self, tensor: torch.Tensor) -> Any:
+    def post(self, tensor: torch.Tensor, k: int | None = None) -> Any:
+        """Transfer `k` of the plan; k=None: the header, always a broadcast (STOP must reach all)."""
         nbytes = tensor.numel() * tensor.element_size()
         while self.works and self.bytes + nbytes > self.limit:
             self._finish_oldest()
         if self.group is None:
             return None
-        work = dist.broadcast(tensor, src=self.src, group=self.group, async_op=True)
+        work = _Once(dist.broadcast(tensor, src=self.src, group=self.group, async_op=True)) if k is None else \
+            _transfer(tensor, k, self.src, self.group, self.peer, sending=True)
         self.works.append((work, nbytes))
         self.bytes += nbytes
         return work
@@ -141,30 +195,34 @@ def broadcast_weights(model: nn.Module, group: dist.ProcessGroup, src: int, vers
     # Not waited for: the first bucket is prepared while the header crosses (one group: in order).
     window.post(torch.tensor([version, len(params), sum(p.numel() for _, p in params)], dtype=torch.int64,
                              device=device))
-    if version == STOP_VERSION:
+    if version == STOP_VERSION or window.peer is not None:
+        # A pair's data follows the header only once the header has left: the receiver
+        # posts its recvs only after reading it, so this costs nothing it would not wait
+        # for anyway, and no send can ever queue ahead of the header.
         window.drain()
+    if version == STOP_VERSION:
         return STOP_VERSION, 0
     sizes = [(n, p.numel() * WIRE_DTYPE.itemsize) for n, p in params]
     sent, packed = 0, 0
     readers: list[Any] = [None, None]  # the broadcast that last read each packing buffer
     gathered = iter_full_params(model)
-    for bucket in _buckets(sizes, bucket_bytes):
+    for k, bucket in enumerate(_plan(sizes, bucket_bytes, window.peer is not None)):
         tensors = [next(gathered)[1] for _ in bucket]
         flat = flat_view(tensors)  # a lone float32 tensor, or a run already back to back: as it is
         if flat is None and sum(t.numel() for t in tensors) * WIRE_DTYPE.itemsize > bucket_bytes:
             # One parameter larger than a bucket that still needs a cast: a transient copy,
             # not a kept buffer that large (a bf16 actor's embedding would pin GBs).
             flat = tensors[0].detach().to(WIRE_DTYPE, memory_format=torch.contiguous_format).reshape(-1)
-            window.post(flat)
+            window.post(flat, k)
         elif flat is None:
             slot = packed % 2
             if readers[slot] is not None:
                 readers[slot].wait()
             flat = _pack(tensors, _pack_buffers(model, bucket_bytes, tensors[0].device)[slot])
             packed += 1
-            readers[slot] = window.post(flat)
+            readers[slot] = window.post(flat, k)
         else:
-            window.post(flat)
+            window.post(flat, k)
         sent += flat.numel() * flat.element_size()
     window.drain()
     return version, sent
@@ -213,7 +271,9 @@ def receive_weights(specs: list[tuple[str, torch.Size]], group: dist.ProcessGrou
     if int(header[1]) != len(specs) or int(header[2]) != elements:
         raise WeightSyncError(f"actor and rollout models differ: sender has {int(header[1])} tensors / "
                               f"{int(header[2])} elements, receiver {len(specs)} / {elements}")
-    buckets = _buckets([(n, shape.numel() * WIRE_DTYPE.itemsize) for n, shape in specs], bucket_bytes)
+    peer = _peer(group, src)
+    buckets = _plan([(n, shape.numel() * WIRE_DTYPE.itemsize) for n, shape in specs], bucket_bytes,
+                    pair=peer is not None)
     if into is not None and not (into.dtype == WIRE_DTYPE and into.is_contiguous() and into.numel() == elements
                                  and into.device.type == torch.device(device).type):
         into = None
@@ -224,7 +284,7 @@ def receive_weights(specs: list[tuple[str, torch.Size]], group: dist.ProcessGrou
     def post(k: int) -> tuple[torch.Tensor, Any]:
         flat = into[starts[k]:starts[k + 1]] if into is not None else \
             torch.empty(starts[k + 1] - starts[k], dtype=WIRE_DTYPE, device=device)
-        return flat, dist.broadcast(flat, src=src, group=group, async_op=True)
+        return flat, _transfer(flat, k, src, group, peer, sending=False)
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         # In place, every bucket is posted at once; otherwise bucket k+1 is received while
