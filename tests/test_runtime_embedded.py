@@ -138,6 +138,17 @@ def test_metrics_logger_writes_tensorboard_and_jsonl(tmp_path: Path) -> None:
     assert lines == [{"step": 1, "critic/score/mean": 0.1}, {"step": 2, "critic/score/mean": 0.2}]
 
 
+def test_a_torn_metrics_line_is_dropped_on_resume(tmp_path: Path) -> None:
+    """A disk that filled (or a kill) mid-line leaves half a JSON row; the resumed run must not trip on it."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "a": 1.0}\n{"step": 2, "a": 2.0}\n{"step": 3, "a": 3')
+    assert [r["step"] for r in read_jsonl_metrics(path)] == [1, 2]
+    logger = MetricsLogger(tmp_path, tensorboard=False, purge_step=3)  # resuming after step 2
+    logger.log_scalars(3, {"a": 3.5})
+    logger.close()
+    assert read_jsonl_metrics(path) == [{"step": 1, "a": 1.0}, {"step": 2, "a": 2.0}, {"step": 3, "a": 3.5}]
+
+
 def test_progress_prints_plain_lines_off_a_terminal() -> None:
     stream = io.StringIO()
     progress = Progress(total=3, mode="auto", every_seconds=0.0, stream=stream)

@@ -49,16 +49,31 @@ class MetricsLogger:
 
 
 def truncate_jsonl(path: Path, purge_step: int) -> None:
-    """Drop lines at or after `purge_step` (a resumed run rewrites those steps), atomically."""
+    """Drop lines at or after `purge_step` (a resumed run rewrites those steps), atomically.
+
+    A line that does not parse is a torn write (the disk filled, or the process died mid-line);
+    it is dropped too: its step is at or after the checkpoint, so the resumed run writes it again.
+    """
     if not path.exists():
         return
-    kept = [line for line in path.read_text().splitlines(keepends=True)
-            if line.strip() and json.loads(line)["step"] < purge_step]
+    kept = [line if line.endswith("\n") else line + "\n" for line in path.read_text().splitlines(keepends=True)
+            if (row := _parse(line)) is not None and row["step"] < purge_step]
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text("".join(kept))
     tmp.replace(path)
 
 
 def read_jsonl_metrics(path: str | Path) -> list[dict[str, float]]:
+    """Every complete row; a torn last line (a run that died mid-write) is skipped."""
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        return [row for line in f if (row := _parse(line)) is not None]
+
+
+def _parse(line: str) -> dict | None:
+    if not line.strip():
+        return None
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return row if isinstance(row, dict) and "step" in row else None
