@@ -72,24 +72,31 @@ class DistLifecycle:
             self.sampler.load_state_dict(state["sampler"])
         if self.roles.engine is not None and not self.split:
             push_weights(iter_full_params(self.roles.actor.model), self.roles.engine, self.policy_version)
-        elif self.split and (ctx.is_role("actor") or ctx.is_role("rollout")):
-            self.sync_split(sending=ctx.is_role("actor"))
+        elif self.split and ctx.is_role("actor"):
+            self.send_split()
+        elif self.split and ctx.is_role("rollout"):
+            self.receive_split()
         if self.roles.engine is not None:
             self.roles.engine.policy_version = self.policy_version
         return self.step
 
-    def sync_split(self, sending: bool) -> None:
+    def send_split(self) -> int:
+        """Trainer ranks: the actor's weights to the split rollout group; returns the bytes sent."""
         group = self.ctx.sync_groups.get("rollout")
-        leader = self.ctx.plan.group_ranks("trainer")[0]
-        if sending and group is None:
+        if group is None:  # not the leader: only join the FSDP gathers the leader's send needs
             gather_only(self.roles.actor.model)
-        elif sending:
-            broadcast_weights(self.roles.actor.model, group, leader, self.policy_version, True)
-        else:
-            version, tensors = receive_weights(self.roles.engine.weight_specs(), group, leader,
-                                               device=self.roles.device, into=engine_buffer(self.roles.engine))
-            if version != STOP_VERSION:
-                push_weights(tensors, self.roles.engine, version)
+            return 0
+        leader = self.ctx.plan.group_ranks("trainer")[0]
+        return broadcast_weights(self.roles.actor.model, group, leader, self.policy_version, True)[1]
+
+    def receive_split(self) -> tuple[int, int]:
+        """Rollout ranks: the newest weights into the engine; returns (version, bytes) or (STOP_VERSION, 0)."""
+        engine, leader = self.roles.engine, self.ctx.plan.group_ranks("trainer")[0]
+        version, tensors = receive_weights(engine.weight_specs(), self.ctx.sync_groups["rollout"], leader,
+                                           device=self.roles.device, into=engine_buffer(engine))
+        if version == STOP_VERSION:
+            return version, 0
+        return version, push_weights(tensors, engine, version)
 
     def maybe_save(self, metrics: dict[str, float]) -> None:
         ckpt = self.checkpointer

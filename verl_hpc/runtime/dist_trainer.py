@@ -33,12 +33,8 @@ from verl_hpc.roles.allocator import generate_guarded
 from verl_hpc.roles.forward import to_device
 from verl_hpc.roles.weight_sync import (
     STOP_VERSION,
-    broadcast_weights,
-    engine_buffer,
-    gather_only,
     iter_full_params,
     push_weights,
-    receive_weights,
 )
 from verl_hpc.runtime.checkpointing import reseed, seed_all
 from verl_hpc.runtime.dist import DistContext, default_store
@@ -330,29 +326,21 @@ class DistributedTrainer(DistLifecycle, RolloutIntake):
 
     def send_weights(self) -> int:
         """Trainer side: new actor weights into the engines; returns the bytes this rank moved."""
-        ctx, roles = self.ctx, self.roles
+        roles = self.roles
         self.policy_version += 1
         if not self.split:
             return push_weights(iter_full_params(roles.actor.model), roles.engine, self.policy_version)
         last_needed = self.cfg.trainer.total_steps - self.cfg.algorithm.max_staleness - 1
         if self.step > last_needed:
             return 0  # the rollout has generated its last batch: nobody is listening
-        group = ctx.sync_groups.get("rollout")
-        if group is None:
-            gather_only(roles.actor.model)
-            return 0
-        leader = ctx.plan.group_ranks("trainer")[0]
-        return broadcast_weights(roles.actor.model, group, leader, self.policy_version, True)[1]
+        return self.send_split()
 
     def receive_weights(self) -> None:
-        leader, engine = self.ctx.plan.group_ranks("trainer")[0], self.roles.engine
-        version, tensors = receive_weights(engine.weight_specs(), self.ctx.sync_groups["rollout"], leader,
-                                           device=self.roles.device, into=engine_buffer(engine))
+        version, received = self.receive_split()
         if version == STOP_VERSION:
             self.stopping = True
-            return
-        self.last_sync_bytes = push_weights(tensors, engine, version)
-
+        else:
+            self.last_sync_bytes = received
 
 
 def _sorted_by_group(batch: RolloutBatch) -> RolloutBatch:
