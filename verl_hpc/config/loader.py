@@ -137,8 +137,21 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     from verl_hpc.config.schema import RunConfig
 
     raw = read_yaml(path) if path is not None else dict(data or {})
-    raw = apply_overrides(raw, overrides or [])
+    raw = on_cpu_model(apply_overrides(raw, overrides or []))
     return validate_section(RunConfig, raw, source=str(path) if path else None)
+
+
+def on_cpu_model(raw: dict[str, Any]) -> dict[str, Any]:
+    """With `resources.device_type: cpu`, the model trains in float32 (all CPU training supports).
+
+    Why here: a GPU config's `model.dtype: bfloat16` / `mixed_precision` would fail its CPU
+    check; the one-word switch (see ResourceConfig.device_type) drops them instead.
+    """
+    resources, model = raw.get("resources"), raw.get("model")
+    if not (isinstance(resources, dict) and resources.get("device_type") == "cpu" and isinstance(model, dict)):
+        return raw
+    model = {k: v for k, v in model.items() if k not in ("dtype", "mixed_precision")}
+    return {**raw, "model": model}
 
 
 def load_resource_config(path: str | Path):  # -> ResourceConfig

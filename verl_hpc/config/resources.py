@@ -11,7 +11,7 @@ unless it is the actor in `colocated` placement (the hybrid engine time-shares t
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -92,9 +92,29 @@ class RoleResources(StrictModel):
         return 1
 
 
+def _on_device(role: RoleResources | dict[str, Any] | None, kind: str) -> RoleResources | dict[str, Any]:
+    """One role's (raw or validated) resources moved to `kind`; on CPU without sleep mode."""
+    if isinstance(role, RoleResources):  # validate_assignment passes the validated fields
+        args = role.vllm_args
+        if kind == "cpu" and args is not None:
+            args = args.model_copy(update={"enable_sleep_mode": False})
+        return role.model_copy(update={"device_type": kind, "vllm_args": args})
+    role = dict(role or {})
+    role["device_type"] = kind
+    if kind == "cpu" and isinstance(role.get("vllm_args"), dict):
+        role["vllm_args"] = {k: v for k, v in role["vllm_args"].items() if k != "enable_sleep_mode"}
+    return role
+
+
 class ResourceConfig(StrictModel):
     """All roles' resources plus the communication settings shared by the whole world."""
 
+    # One word to move a whole config between device kinds (a cluster config on a laptop):
+    # see `_apply_device_type`. None = each role's own `device_type`.
+    device_type: Literal["cuda", "cpu"] | None = Field(None, description=(
+        "every role's `device_type` at once, winning over each role's own (`resources.device_type=cpu` runs a "
+        "CUDA config on CPU: `nccl` becomes `auto` (gloo), `enable_sleep_mode` and GPU-only model dtypes are "
+        "dropped); unset = per role"))
     actor: RoleResources = Field(default_factory=lambda: RoleResources(strategy="hf"))
     critic: RoleResources | None = None
     ref: RoleResources | None = None
@@ -106,6 +126,26 @@ class ResourceConfig(StrictModel):
     # NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME, NCCL_IB_*, NCCL_DEBUG, ...: set in every worker
     # before the process group starts (and recorded in its env_*.json), locally and under Slurm.
     comm_env: dict[str, str] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_device_type(cls, data: Any) -> Any:
+        """`device_type: X` sets every role's device type to X; on CPU, GPU-only settings go.
+
+        Why before validation: a CUDA config moved to CPU must not then fail on what only
+        makes sense on GPUs (sleep mode, an explicit nccl backend); the roles that run
+        anyway (actor, rollout) get it even when absent, the optional ones only when set.
+        """
+        if not isinstance(data, dict) or data.get("device_type") is None:
+            return data
+        kind, data = data["device_type"], dict(data)
+        for name in ROLE_NAMES:
+            role = data.get(name)
+            if role is not None or name in ("actor", "rollout"):
+                data[name] = _on_device(role, kind)
+        if kind == "cpu" and data.get("comm_backend") == "nccl":
+            data["comm_backend"] = "auto"
+        return data
 
     @field_validator("comm_env")
     @classmethod
