@@ -14,8 +14,8 @@ from verl_hpc.config import ConfigError, Dataflow, RunConfig, load_config, load_
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
+    from verl_hpc.api import HybridTrainer
     from verl_hpc.launch.slurm import SlurmJob, submit
-    from verl_hpc.runtime.trainer import HybridTrainer
 
 __all__ = ["ConfigError", "Dataflow", "HybridTrainer", "RunConfig", "SlurmJob", "__version__", "load_config",
            "load_resource_config", "submit"]
@@ -23,7 +23,7 @@ __all__ = ["ConfigError", "Dataflow", "HybridTrainer", "RunConfig", "SlurmJob", 
 
 def __getattr__(name: str) -> Any:
     if name == "HybridTrainer":
-        from verl_hpc.runtime.trainer import HybridTrainer
+        from verl_hpc.api import HybridTrainer
 
         return HybridTrainer
     if name in ("submit", "SlurmJob"):  # submitit loads only when submitting

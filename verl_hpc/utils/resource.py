@@ -4,15 +4,27 @@ Why here and small: every role calls `pin_to_device` once before building a mode
 the metrics loop calls `get_gpu_usage` every step. The first must fail loudly and early
 (a CUDA config on a CPU node should not surface as an obscure error minutes later); the
 second must never fail (a monitoring hiccup is not worth a lost training step).
+
+The seeds import their entry points from here (`from verl_hpc.utils.resource import
+load_resource_config, HybridTrainer`); both load lazily, so this module stays cheap
+(torch loads on the first `pin_to_device`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+from verl_hpc.config import load_resource_config
+
+if TYPE_CHECKING:
+    import torch
+
+    from verl_hpc.api import HybridTrainer
+
+__all__ = ["CUDA_HINT", "HybridTrainer", "get_gpu_usage", "load_resource_config", "pin_to_device",
+           "visible_cuda_ids"]
 
 CUDA_HINT = ("set device_type: cpu in the resources section, or run on a GPU node "
              "(Slurm: --gres=gpu:N / gpus_per_node) with a CUDA build of torch")
@@ -27,6 +39,8 @@ def pin_to_device(device_type: str, device_ids: list[int] | None = None, local_r
     a torch ordinal. Without ids: the only visible GPU when exactly one is visible (Slurm's
     `--gpus-per-task=1`), else ordinal `local_rank`. `field` names the config key in errors.
     """
+    import torch
+
     if device_type == "cpu":
         return torch.device("cpu")
     if device_type != "cuda":
@@ -39,6 +53,14 @@ def pin_to_device(device_type: str, device_ids: list[int] | None = None, local_r
     ordinal = _cuda_ordinal(device_ids, local_rank, torch.cuda.device_count(), field)
     torch.cuda.set_device(ordinal)
     return torch.device("cuda", ordinal)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "HybridTrainer":  # the facade pulls in the launcher: load it only when asked for
+        from verl_hpc.api import HybridTrainer
+
+        return HybridTrainer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def visible_cuda_ids(value: str | None = None) -> list[int] | None:
