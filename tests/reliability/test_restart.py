@@ -1,5 +1,6 @@
 """A run killed before its first checkpoint restarts with the same command (the storm's start-up
-kills need this); a changed config or a finished run in that directory is still refused."""
+kills need this), and with a corrected config when it recorded no step (a start-up failure must
+not block the fix); a changed config after a recorded step, or a finished run, is still refused."""
 
 from __future__ import annotations
 
@@ -27,11 +28,21 @@ def test_same_config_restarts_from_step_zero(tmp_path: Path) -> None:
     assert prepare_run_dir(run_dir, cfg) == run_dir
 
 
+def test_a_corrected_config_reuses_a_dir_with_no_step(tmp_path: Path) -> None:
+    cfg = load_config(QUICKSTART)
+    stored = dump_config(load_config(QUICKSTART, ["trainer.seed=1"]))
+    run_dir = _killed_at_startup(tmp_path / "run", stored)
+    assert prepare_run_dir(run_dir, cfg) == run_dir
+    assert (run_dir / "config_history" / "config_step_00000000.yaml").read_text() == stored
+
+
 @pytest.mark.parametrize("change", ["other config", "finished", "resume never"])
 def test_anything_else_is_still_refused(tmp_path: Path, change: str) -> None:
     cfg = load_config(QUICKSTART)
     stored = dump_config(load_config(QUICKSTART, ["trainer.seed=1"])) if change == "other config" else dump_config(cfg)
     run_dir = _killed_at_startup(tmp_path / "run", stored)
+    if change == "other config":  # one step recorded: the new config would contradict it
+        (run_dir / "tensorboard" / "metrics.jsonl").write_text('{"step": 1}\n')
     if change == "finished":
         (run_dir / "hf_model").mkdir()
     if change == "resume never":

@@ -8,6 +8,8 @@ an unexpected failure still shows its traceback, because that is a bug to report
 from __future__ import annotations
 
 import argparse
+import os
+import shlex
 import signal
 import sys
 from collections.abc import Sequence
@@ -18,13 +20,25 @@ from verl_hpc.cli.slurm_cmds import SLURM_PARSERS
 from verl_hpc.config import ConfigError
 
 EXIT_CONFIG_ERROR = 2
+DESCRIPTION = ("RL post-training of LLMs (GRPO, PPO) from one YAML config: on this machine (`train`) "
+               "or as one Slurm job (`submit`).")
+EPILOG = """examples:
+  verl-hpc train configs/quickstart.yaml                 # runs/quickstart; the same command resumes it
+  verl-hpc train configs/quickstart.yaml trainer.total_steps=50 --run-dir runs/short
+  verl-hpc config show configs/quickstart.yaml           # the resolved, validated config
+  verl-hpc ckpt list runs/quickstart
+
+Run `verl-hpc COMMAND --help` for a command's options; docs: README.md and docs/."""
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="run the RL loop on this machine (no Slurm)")
     p.add_argument("config", help="run config YAML")
     p.add_argument("overrides", nargs="*", help="Hydra-style key.path=value overrides")
-    p.add_argument("--run-dir", help="where outputs go (default: runs/run-<timestamp>)")
+    p.add_argument("--run-dir", help="where outputs go (default: runs/<trainer.run_name>, else "
+                   "runs/<config file name without .yaml>); an interrupted run resumes there")
+    p.add_argument("--allow-config-change", action="store_true",
+                   help="continue a run dir under a changed config (recorded in its config_history.yaml)")
     p.set_defaults(func=_cmd_train)
 
 
@@ -32,8 +46,8 @@ def _add_config(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("config", help="inspect configs")
     csub = p.add_subparsers(dest="config_cmd", required=True)
     show = csub.add_parser("show", help="print the resolved, validated config as YAML")
-    show.add_argument("config")
-    show.add_argument("overrides", nargs="*")
+    show.add_argument("config", help="run config YAML")
+    show.add_argument("overrides", nargs="*", help="Hydra-style key.path=value overrides")
     show.set_defaults(func=_cmd_config_show)
 
 
@@ -51,23 +65,31 @@ def _add_init_model(sub: argparse._SubParsersAction) -> None:
 def _cmd_train(args: argparse.Namespace) -> int:
     from verl_hpc.checkpoint.layout import CheckpointError
     from verl_hpc.config import load_config
+    from verl_hpc.config.machine import check_machine
     from verl_hpc.launch.local import WorkerFailure
     from verl_hpc.launch.train import train
+    from verl_hpc.runtime.run_dir import ALLOW_ENV, named_run_dir
 
     cfg = load_config(args.config, args.overrides)
+    check_machine(cfg)  # before the run dir exists: a mismatch must not leave one behind
+    run_dir = args.run_dir or str(named_run_dir(cfg, args.config))
+    if args.allow_config_change:
+        os.environ[ALLOW_ENV] = "1"
+    again = shlex.join(["verl-hpc", "train", args.config, *args.overrides, "--run-dir", run_dir])
     try:
-        result = train(cfg, run_dir=args.run_dir)
+        result = train(cfg, run_dir=run_dir)
     except (WorkerFailure, CheckpointError) as failure:  # a checkpoint write failed: disk full, I/O error
         # A leading newline: torch's writer threads may still be printing their own traceback,
         # and our one line must start a line of its own.
         sys.stderr.flush()
         print(f"\nverl-hpc: error: {failure}", file=sys.stderr, flush=True)
+        print(f"verl-hpc: {run_dir} is kept; once fixed, continue with: {again}", file=sys.stderr, flush=True)
         return 1
     score = result.last_metrics.get("critic/score/mean")
     print(f"run directory: {result.run_dir}")
     if result.stopped_by is not None:
-        print(f"stopped by {result.stopped_by} after step {result.steps}; the checkpoint is saved: "
-              "run the same command to resume")
+        print(f"stopped by {result.stopped_by} after step {result.steps}; the checkpoint is saved. "
+              f"To resume: {again}")
         return 128 + getattr(signal.Signals, result.stopped_by, signal.SIGTERM).value
     print(f"steps: {result.steps}   final critic/score/mean: {score:.4f}" if score is not None else "")
     print(f"tensorboard:   tensorboard --logdir {result.run_dir / 'tensorboard'}")
@@ -139,7 +161,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="verl-hpc", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="verl-hpc", description=DESCRIPTION, epilog=EPILOG,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"verl-hpc {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for add in (_add_train, _add_config, _add_init_model, _add_ckpt, _add_export, *SLURM_PARSERS, *ELASTIC_PARSERS):

@@ -53,6 +53,9 @@ class RewardConfig(StrictModel):
 
     function: str | None = None
     model_path: str | None = None
+    # A score that is not a finite number, or a function that raises: stop the run (fail),
+    # score it 0 (zero), or give it its group's mean (skip); counted in reward/errors.
+    on_error: Literal["fail", "zero", "skip"] = "fail"
 
     @model_validator(mode="after")
     def _one_source(self) -> RewardConfig:
@@ -109,6 +112,8 @@ class OptimConfig(StrictModel):
 
 
 class TrainerConfig(StrictModel):
+    # `verl-hpc train` without --run-dir uses runs/<run_name>, by default runs/<config file stem>.
+    run_name: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
     total_steps: int = Field(100, ge=1)
     batch_size: int = Field(128, ge=1, description="sequences (prompts x sampling.n) per step")
     seed: int = 0

@@ -1,8 +1,26 @@
 """The run directory: everything a run makes lives under it, nothing in it is overwritten.
 
 Layout (docs/architecture.md): `config.yaml`, `data/`, `logs/<role>_rank<N>.log`,
-`tensorboard/` (events + metrics.jsonl), `checkpoints/`, `hf_model/`.
+`tensorboard/` (events + metrics.jsonl), `checkpoints/`, `hf_model/`, and after an
+accepted config change `config_history.yaml` + `config_history/`.
 Created 0700: on a shared cluster other users must not read rollouts or secrets.
+
+A run directory has an identity, its config. Running into one that holds a run:
+
+* same config, not finished: resume (from the newest checkpoint, or from step 0 when
+  none was committed: the restart redoes exactly the same steps);
+* finished (`hf_model/` exists) with the same config: refused, nothing to do;
+* another config: refused in one line naming the changed fields, unless the change is
+  accepted (`--allow-config-change`, or `allow_config_change=True`). An accepted change
+  is recorded in `config_history.yaml` with the step it takes effect at, the replaced
+  `config.yaml` is kept byte for byte under `config_history/`, and an earlier end's
+  `hf_model/` moves to `hf_model_step_<N>/`. Fields that change how, not what, a run
+  computes (resources, Slurm, logging, checkpoint cadence; see `OPERATIONAL`) need no
+  flag: a run resumes on other resources. Their change is recorded all the same.
+
+Why a run with no progress (no checkpoint, no `hf_model/`, no metrics row) takes any
+config: a failure at start-up (a bad reward, a device mismatch) must leave a directory
+the corrected command can reuse; there is nothing in it a new config could disagree with.
 """
 
 from __future__ import annotations
@@ -10,25 +28,55 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+from typing import Any
+
+import yaml
 
 from verl_hpc.config import ConfigError, RunConfig, dump_config
 from verl_hpc.config.checks import expand_path
+from verl_hpc.utils.logging import get_logger
+
+log = get_logger("run_dir")
+
+HISTORY_FILE = "config_history.yaml"
+HISTORY_DIR = "config_history"
+ALLOW_ENV = "VERL_HPC_ALLOW_CONFIG_CHANGE"  # set by `verl-hpc train --allow-config-change`
+# Dotted prefixes whose change leaves the run's numbers as they were: no flag needed.
+OPERATIONAL = ("resources", "slurm", "logging", "checkpoint", "run_dir", "reward.on_error",
+               "trainer.run_name", "trainer.torch_threads", "trainer.oom_retry", "trainer.min_micro_batch_size")
 
 
 def default_run_dir(name: str = "run") -> Path:
     return Path("runs") / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
+def named_run_dir(cfg: RunConfig, config_path: str | Path | None) -> Path:
+    """The run dir a config uses without `--run-dir`: `runs/<trainer.run_name or config file stem>`.
+
+    Why deterministic: rerunning the same command after Ctrl-C must find its own run again
+    (as verl's `trainer.default_local_dir` and torchtitan's `dump_folder` do).
+    """
+    if cfg.run_dir:
+        return expand_path(cfg.run_dir)
+    name = getattr(cfg.trainer, "run_name", None) or (Path(config_path).stem if config_path else None)
+    return Path("runs") / name if name else default_run_dir()
+
+
 def holds_run(path: Path) -> bool:
     return (path / "config.yaml").exists() or (path / "tensorboard").exists()
 
 
-def prepare_run_dir(run_dir: str | Path | None, cfg: RunConfig) -> Path:
-    """Create the run directory, refusing one that already holds another run's outputs."""
-    path = expand_path(str(run_dir)) if run_dir else default_run_dir()
-    if holds_run(path) and not resumable(path, cfg):
-        raise ConfigError("run_dir", f"{path} already holds a run and has no checkpoint to resume",
-                          "choose a new --run-dir (outputs are never overwritten)")
+def prepare_run_dir(run_dir: str | Path | None, cfg: RunConfig, allow_config_change: bool | None = None) -> Path:
+    """Create the run directory, or check that this config may continue the run it holds."""
+    if run_dir:
+        path = expand_path(str(run_dir))
+    else:
+        name = getattr(cfg.trainer, "run_name", None)
+        path = Path("runs") / name if name else default_run_dir()
+    if allow_config_change is None:
+        allow_config_change = os.environ.get(ALLOW_ENV) == "1"
+    if holds_run(path):
+        _check_continuation(path, cfg, allow_config_change)
     try:
         path.mkdir(parents=True, exist_ok=True)
         os.chmod(path, 0o700)
@@ -41,17 +89,94 @@ def prepare_run_dir(run_dir: str | Path | None, cfg: RunConfig) -> Path:
     return path
 
 
-def resumable(path: Path, cfg: RunConfig) -> bool:
-    """Whether this run may continue in `path` (checkpoint.resume: auto).
+def committed_step(path: Path) -> int | None:
+    """The newest committed checkpoint's step (a manifest is written last), if any."""
+    steps = [int(d.name.removeprefix("step_")) for d in (path / "checkpoints").glob("step_*")
+             if d.name.removeprefix("step_").isdigit() and (d / "manifest.json").is_file()]
+    return max(steps) if steps else None
 
-    Yes with a committed checkpoint. Also when the run died before its first one (killed
-    during start-up or its first steps) and `config.yaml` is exactly this config: the
-    restart redoes the same steps from step 0, so nothing the user made is lost or changed.
-    """
+
+def has_progress(path: Path) -> bool:
+    """Whether the run left anything a new config would contradict."""
+    metrics = path / "tensorboard" / "metrics.jsonl"
+    return committed_step(path) is not None or (path / "hf_model").exists() or \
+        (metrics.is_file() and metrics.stat().st_size > 0)
+
+
+def _check_continuation(path: Path, cfg: RunConfig, allow: bool) -> None:
     if cfg.checkpoint.resume == "never":
-        return False
-    if any((path / "checkpoints").glob("step_*")):
-        return True
-    stored = path / "config.yaml"
-    unfinished = not (path / "hf_model").exists()
-    return unfinished and stored.is_file() and stored.read_text() == dump_config(cfg)
+        raise ConfigError("run_dir", f"{path} already holds a run and checkpoint.resume is never",
+                          "choose a new --run-dir (outputs are never overwritten)")
+    stored_file = path / "config.yaml"
+    stored = stored_file.read_text() if stored_file.is_file() else None
+    new = dump_config(cfg)
+    changed = config_changes(stored, new) if stored is not None else {}
+    decisive = sorted(f for f in changed if not f.startswith(OPERATIONAL))
+    step = committed_step(path) or 0
+    finished = (path / "hf_model").exists()
+    if decisive and has_progress(path) and not allow:
+        shown = ", ".join(decisive[:6]) + (f" and {len(decisive) - 6} more" if len(decisive) > 6 else "")
+        raise ConfigError("run_dir", f"{path} already holds a run with another config: {shown} changed",
+                          f"rerun with its config ({stored_file}), add --allow-config-change to continue it "
+                          "under this one (recorded in config_history.yaml), or choose a new --run-dir or "
+                          "trainer.run_name")
+    if finished and not decisive:
+        raise ConfigError("run_dir", f"{path} already holds a run that finished at step {step}",
+                          "raise trainer.total_steps with --allow-config-change to train it further, "
+                          "or choose a new --run-dir or trainer.run_name")
+    if stored is not None and stored != new:
+        record_change(path, stored, changed, step, finished)
+
+
+def config_changes(old_text: str, new_text: str) -> dict[str, dict[str, Any]]:
+    """Dotted field -> {old, new} for every leaf that differs (lists compare whole)."""
+    old, new = _flatten(yaml.safe_load(old_text) or {}), _flatten(yaml.safe_load(new_text) or {})
+    return {k: {"old": old.get(k), "new": new.get(k)} for k in sorted(set(old) | set(new))
+            if old.get(k) != new.get(k)}
+
+
+def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
+    if not isinstance(data, dict) or not data:
+        return {prefix.rstrip("."): data} if prefix else {}
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        out.update(_flatten(value, f"{prefix}{key}."))
+    return out
+
+
+def record_change(path: Path, stored: str, changed: dict[str, dict[str, Any]], step: int, finished: bool) -> None:
+    """Keep the replaced config (and an earlier end's hf_model) and append the change to the history."""
+    archive = path / HISTORY_DIR
+    archive.mkdir(exist_ok=True)
+    kept = _free_name(archive / f"config_step_{step:08d}.yaml")
+    kept.write_text(stored)
+    entry: dict[str, Any] = {"step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                             "changed": changed, "previous_config": str(kept.relative_to(path))}
+    if finished:
+        moved = _free_name(path / f"hf_model_step_{step:08d}")
+        (path / "hf_model").rename(moved)
+        entry["moved"] = {"hf_model": moved.name}
+    history = path / HISTORY_FILE
+    with open(history, "a", encoding="utf-8") as fh:
+        fh.write(yaml.safe_dump([entry], sort_keys=False))
+    fields = ", ".join(list(changed)[:6]) + (" ..." if len(changed) > 6 else "")
+    log.warning("%s: config changed (%s); takes effect at step %d, recorded in %s", path, fields, step, history)
+
+
+def _free_name(candidate: Path) -> Path:
+    """`candidate`, or `candidate-2`, `-3`, ...: never replace what an earlier change kept."""
+    if not candidate.exists():
+        return candidate
+    index = 2
+    while True:
+        stem = candidate.name.removesuffix(".yaml")
+        other = candidate.with_name(f"{stem}-{index}{'.yaml' if candidate.suffix == '.yaml' else ''}")
+        if not other.exists():
+            return other
+        index += 1
+
+
+def history(path: Path) -> list[dict[str, Any]]:
+    """The accepted config changes of the run in `path`, oldest first."""
+    file = Path(path) / HISTORY_FILE
+    return list(yaml.safe_load(file.read_text()) or []) if file.is_file() else []
