@@ -135,7 +135,7 @@ def trl_unavailable() -> str | None:
 
 def measure(preset: str, reps: int, block: int, with_trl: bool, work: Path) -> dict[str, Any]:
     """One interleaved run for one model size; warm-up blocks of each method are dropped."""
-    from verl_hpc.runtime.trainer import HybridTrainer
+    from verl_hpc import HybridTrainer
 
     model_dir = Path.home() / ".cache" / "verl-hpc" / "models" / f"{preset}-seed0"
     total = block * (reps + 1)
@@ -152,11 +152,13 @@ def measure(preset: str, reps: int, block: int, with_trl: bool, work: Path) -> d
     times: dict[str, list[list[float]]] = {"verl_hpc": [], "floor": [], "trl": []}
     current: list[float] = []
     verl_phases: list[dict[str, float]] = []
-    inner = trainer.train_step
+    from verl_hpc.runtime.loop import RLTrainer
 
-    def timed_step(*args: Any, **kwargs: Any) -> dict[str, float]:
+    inner = RLTrainer.train_step
+
+    def timed_step(self: RLTrainer, *args: Any, **kwargs: Any) -> dict[str, float]:
         start = time.perf_counter()
-        out = inner(*args, **kwargs)
+        out = inner(self, *args, **kwargs) or {}
         current.append(time.perf_counter() - start)
         verl_phases.append({k.removeprefix("timing_s/"): v for k, v in out.items() if k.startswith("timing_s/")})
         if len(current) == block:  # a project block ended: run the others' blocks now
@@ -167,10 +169,11 @@ def measure(preset: str, reps: int, block: int, with_trl: bool, work: Path) -> d
                 times["trl"].append(trl.block(block))
         return out
 
-    trainer.train_step = timed_step  # type: ignore[method-assign]
+    RLTrainer.train_step = timed_step  # type: ignore[method-assign]
     try:
         trainer.train()
     finally:
+        RLTrainer.train_step = inner  # type: ignore[method-assign]
         if trl is not None:
             trl.close()
     result = _summarise(preset, sum(p.numel() for p in floor.model.parameters()), times, trl_reason)

@@ -47,7 +47,7 @@ def test_injection_hook_parses_phase_and_size() -> None:
 
 
 def _train(run_dir: Path, model_dir: Path) -> list[dict[str, float]]:
-    from verl_hpc.runtime.trainer import HybridTrainer
+    from verl_hpc import HybridTrainer
 
     data = quick_dict(model_dir, steps=4)
     data["trainer"]["save_hf_model"] = False
@@ -78,7 +78,7 @@ def test_injected_oom_is_retried_smaller_and_matches_the_undisturbed_run(
 @pytest.mark.slow
 def test_generation_oom_is_retried_in_smaller_chunks(tmp_path: Path, tiny_model_dir: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    from verl_hpc.runtime.trainer import HybridTrainer
+    from verl_hpc import HybridTrainer
 
     monkeypatch.setenv(INJECT_ENV, "generate:32")
     data = quick_dict(tiny_model_dir, steps=2)
@@ -92,7 +92,7 @@ def test_generation_oom_is_retried_in_smaller_chunks(tmp_path: Path, tiny_model_
 @pytest.mark.slow
 def test_floor_that_does_not_fit_fails_the_run_with_the_numbers(tmp_path: Path, tiny_model_dir: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    from verl_hpc.runtime.trainer import HybridTrainer
+    from verl_hpc import HybridTrainer
 
     monkeypatch.setenv(INJECT_ENV, "train:1")
     data = quick_dict(tiny_model_dir, steps=1)
@@ -105,7 +105,7 @@ def test_floor_that_does_not_fit_fails_the_run_with_the_numbers(tmp_path: Path, 
 def test_learned_micro_batch_survives_a_restart_on_the_same_resources(
         tmp_path: Path, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """An OOM learned before a preemption is not paid again after it: the size is checkpointed."""
-    from verl_hpc.runtime.trainer import HybridTrainer
+    from verl_hpc import HybridTrainer
 
     data = quick_dict(tiny_model_dir, steps=2)
     data["trainer"]["save_hf_model"] = False

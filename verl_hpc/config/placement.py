@@ -96,6 +96,5 @@ def plan_for_config(cfg) -> ProcessPlan:  # cfg: RunConfig (imported lazily: sch
     or runs the rule function there; without it, a rule runs beside the rollouts.
     """
     algo = cfg.algorithm
-    return plan_processes(cfg.resources, needs_critic=algo.name == "ppo",
-                          needs_ref=algo.kl.estimator != "off" and algo.kl.coef > 0,
+    return plan_processes(cfg.resources, needs_critic=algo.needs_critic, needs_ref=algo.needs_ref,
                           reward_is_model=cfg.reward.model_path is not None or cfg.resources.reward is not None)

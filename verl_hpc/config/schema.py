@@ -46,6 +46,11 @@ class DataConfig(StrictModel):
     answer_key: str = "ground_truth"
     max_prompt_length: int = Field(64, ge=1)
     shuffle: bool = True
+    # Every trainer rank writes the rows it trained on to <run_dir>/rollouts/ (Arrow IPC) ...
+    record_rollouts: bool = False
+    # ... and a run with replay_rollouts: <that dir> trains on those responses instead of
+    # sampling: the way to check that two placements compute the same numbers.
+    replay_rollouts: str | None = None
 
 
 class RewardConfig(StrictModel):
@@ -83,8 +88,15 @@ class KLConfig(StrictModel):
     in_reward: bool = False
 
 
+PRESET_ESTIMATORS = {"grpo": "grpo", "ppo": "gae"}  # what `algorithm.name` expands to
+
+
 class AlgorithmConfig(StrictModel):
+    """`name` is a preset; `adv_estimator` and `policy_loss` name registered parts (verl_hpc.algo)."""
+
     name: Literal["grpo", "ppo"] = "grpo"
+    adv_estimator: str | None = Field(None, description="registered estimator; default from name")
+    policy_loss: str = "vanilla"
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     kl: KLConfig = Field(default_factory=KLConfig)
     clip_ratio_low: float = Field(0.2, gt=0.0)
@@ -100,6 +112,26 @@ class AlgorithmConfig(StrictModel):
     micro_batch_size: int | None = Field(None, ge=1, description="sequences per forward pass")
     critic_warmup_steps: int = Field(0, ge=0)
     max_staleness: int = Field(0, ge=0)
+
+    @model_validator(mode="after")
+    def _expand_preset(self) -> AlgorithmConfig:
+        if self.adv_estimator is None:
+            self.adv_estimator = PRESET_ESTIMATORS[self.name]
+        return self
+
+    @property
+    def estimator(self):  # -> EstimatorSpec (imported lazily: torch loads with verl_hpc.algo)
+        from verl_hpc.algo import get_estimator
+
+        return get_estimator(self.adv_estimator or PRESET_ESTIMATORS[self.name])
+
+    @property
+    def needs_critic(self) -> bool:
+        return self.estimator.needs_critic
+
+    @property
+    def needs_ref(self) -> bool:
+        return self.kl.estimator != "off" and self.kl.coef > 0
 
 
 class OptimConfig(StrictModel):
@@ -159,8 +191,13 @@ class SlurmConfig(StrictModel):
 
 
 class RunConfig(StrictModel):
-    """Everything one run needs; `run_dir` is filled from the CLI when not given."""
+    """Everything one run needs; `run_dir` is filled from the CLI when not given.
 
+    `plugins` are modules (`pkg.mod`) or files (`path/x.py`) imported before validation in
+    every process, so estimators or losses registered there are known everywhere.
+    """
+
+    plugins: list[str] = Field(default_factory=list)
     model: ModelConfig
     data: DataConfig = Field(default_factory=DataConfig)
     reward: RewardConfig
@@ -171,6 +208,15 @@ class RunConfig(StrictModel):
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     slurm: SlurmConfig = Field(default_factory=SlurmConfig)
     run_dir: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _import_plugins(cls, data: object) -> object:
+        if isinstance(data, dict) and data.get("plugins"):
+            from verl_hpc.config.checks import import_plugins
+
+            import_plugins(list(data["plugins"]))
+        return data
 
     @model_validator(mode="after")
     def _cross_checks(self) -> RunConfig:

@@ -23,6 +23,7 @@ TOKEN_FLOAT_COLUMNS = ("rollout_logprobs", "old_logprobs", "ref_logprobs", "valu
 SCHEMA = pa.schema([
     pa.field("prompt_index", pa.int64(), nullable=False),
     pa.field("group_id", pa.int64(), nullable=False),
+    pa.field("sample_index", pa.int64(), nullable=False),  # which of the group's n samples
     pa.field("policy_version", pa.int64(), nullable=False),
     pa.field("step", pa.int64(), nullable=False),  # the training step this rollout is for
     pa.field("prompt_ids", pa.list_(pa.int32()), nullable=False),
@@ -106,6 +107,26 @@ def padded(col: pa.ListArray, width: int | None = None, pad: float = 0, left: bo
     return out
 
 
+def _occurrences(group_ids: Sequence[int]) -> list[int]:
+    """Each row's rank among the earlier rows of its group: 0, 1, ... per group, in order."""
+    seen: dict[int, int] = {}
+    out = []
+    for g in group_ids:
+        out.append(seen.get(int(g), 0))
+        seen[int(g)] = out[-1] + 1
+    return out
+
+
+def _with_sample_index(batch: pa.RecordBatch) -> pa.RecordBatch:
+    """Batches saved before `sample_index` existed (checkpointed rollout buffers) get it derived."""
+    if "sample_index" in batch.schema.names:
+        return batch
+    derived = pa.array(_occurrences(batch.column("group_id").to_pylist()), pa.int64())
+    arrays = {name: batch.column(name) for name in batch.schema.names}
+    arrays["sample_index"] = derived
+    return pa.RecordBatch.from_arrays([arrays[f.name] for f in SCHEMA], schema=SCHEMA)
+
+
 class RolloutBatch:
     """A thin, immutable-by-convention wrapper around one `pa.RecordBatch` with SCHEMA."""
 
@@ -144,11 +165,14 @@ class RolloutBatch:
     def from_generation(cls, prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]],
                         rollout_logprobs: Sequence[Sequence[float]] | None, group_ids: Sequence[int],
                         prompt_index: Sequence[int], ground_truth: Sequence[str | None],
-                        policy_version: int, step: int = 0) -> RolloutBatch:
+                        policy_version: int, step: int = 0,
+                        sample_index: Sequence[int] | None = None) -> RolloutBatch:
         n = len(prompt_ids)
         columns: dict[str, Any] = {
             "prompt_index": pa.array(prompt_index, pa.int64()),
             "group_id": pa.array(group_ids, pa.int64()),
+            "sample_index": pa.array(sample_index if sample_index is not None else _occurrences(group_ids),
+                                     pa.int64()),
             "policy_version": pa.array(np.full(n, policy_version, dtype=np.int64)),
             "step": pa.array(np.full(n, step, dtype=np.int64)),
             "prompt_ids": _ragged(prompt_ids, pa.int32()),
@@ -226,7 +250,13 @@ class RolloutBatch:
     def from_ipc(cls, data: bytes) -> RolloutBatch:
         reader = pa.ipc.open_stream(pa.py_buffer(data))
         batches = list(reader)
-        return cls(pa.concat_batches(batches) if len(batches) != 1 else batches[0])
+        whole = pa.concat_batches(batches) if len(batches) != 1 else batches[0]
+        return cls(_with_sample_index(whole))
+
+    def sorted_by_row(self) -> RolloutBatch:
+        """Rows in the step's order: by prompt group, then sample (the order every placement trains in)."""
+        order = np.lexsort((self.column("sample_index").to_numpy(), self.column("group_id").to_numpy()))
+        return self.take(order)
 
     @classmethod
     def concat(cls, batches: Sequence[RolloutBatch]) -> RolloutBatch:

@@ -10,13 +10,14 @@ from __future__ import annotations
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 from verl_hpc.config import ConfigError, RunConfig, dump_config
 from verl_hpc.config.placement import plan_for_config
 from verl_hpc.runtime import resize
-from verl_hpc.runtime.components import ensure_model, prompt_files
+from verl_hpc.runtime.build import ensure_model, prompt_files
+from verl_hpc.runtime.lifecycle import TrainResult
 from verl_hpc.runtime.run_dir import prepare_run_dir
-from verl_hpc.runtime.trainer import HybridTrainer, TrainResult
 from verl_hpc.utils.logging import get_logger
 
 log = get_logger("launch")
@@ -57,10 +58,19 @@ def prepare_run(cfg: RunConfig, run_dir: str | Path | None) -> Path:
     return path
 
 
-def train(cfg: RunConfig, run_dir: str | Path | None = None) -> TrainResult:
+def train(cfg: RunConfig, run_dir: str | Path | None = None, *, actor_model: Any = None,
+          reward_model: Any = None) -> TrainResult:
+    """Run `cfg` here: in this process when its plan has one process (objects pass through as
+    they are), else as one worker process per slot of the plan (only the config reaches them)."""
     check_local(cfg)
     if not needs_launcher(cfg):
-        return HybridTrainer(cfg, run_dir=run_dir).train()
+        from verl_hpc.runtime.embedded import train_in_process
+
+        path = prepare_run_dir(run_dir or cfg.run_dir, cfg)
+        return train_in_process(cfg, path, actor_model, reward_model)
+    if actor_model is not None or reward_model is not None:
+        raise ConfigError("resources", "model or reward objects cannot reach the worker processes this "
+                          "placement starts", "pass paths / module:function names in the config instead")
     return launch_local(cfg, run_dir)
 
 

@@ -1,5 +1,9 @@
 """The actor: the policy being trained, its optimizer and LR schedule, and the PPO update.
 
+Why no shuffling between epochs: the mini-batches are the same contiguous slices of the
+step's (already shuffled) prompts every epoch, as in verl, so that any number of ranks
+sees the same optimizer steps (data/layout.py).
+
 Why old logprobs may come from the training forward itself: with one mini-batch and one
 epoch, the policy that produced the rollout (synced every step) is exactly the one being
 differentiated, so `old = logprobs.detach()` is the same number a separate no-grad pass
@@ -14,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from verl_hpc.algo import aggregate_loss, kl_penalty, masked_mean, policy_loss
+from verl_hpc.algo import aggregate_loss, get_policy_loss, kl_penalty, masked_mean
 from verl_hpc.config import AlgorithmConfig
 from verl_hpc.config.schema import OptimConfig
 from verl_hpc.roles.allocator import ResourceAllocator
@@ -24,19 +28,28 @@ from verl_hpc.roles.optimizer import OptimizedModel
 
 @dataclass
 class UpdatePlan:
-    """How one step's batch is cut: mini-batches per optimizer step, micro per forward."""
+    """How this rank cuts its rows of the step: mini-batches per optimizer step, micro per forward.
+
+    Sizes are per rank: with W data-parallel ranks each holds mini_batch_size / W rows of
+    every global mini-batch (data/layout.py), in the same order every epoch, so the
+    optimizer sees the same mini-batches on any number of ranks.
+    """
 
     mini_batch_size: int
     micro_batch_size: int
     epochs: int
 
     @classmethod
-    def from_config(cls, algo: AlgorithmConfig, batch_size: int) -> UpdatePlan:
-        mini = algo.mini_batch_size or batch_size
-        return cls(mini, algo.micro_batch_size or mini, algo.ppo_epochs)
+    def from_config(cls, algo: AlgorithmConfig, batch_size: int, world: int = 1) -> UpdatePlan:
+        """`batch_size` is the step's global batch; the plan is for one of `world` ranks."""
+        mini = (algo.mini_batch_size or batch_size) // world
+        return cls(mini, min(algo.micro_batch_size or mini, mini), algo.ppo_epochs)
 
     def single_pass(self, batch_size: int) -> bool:
         return self.epochs == 1 and self.mini_batch_size >= batch_size
+
+    def mini_batches(self, batch_size: int) -> list[slice]:
+        return [slice(start, start + self.mini_batch_size) for start in range(0, batch_size, self.mini_batch_size)]
 
 
 def micro_weight(mask: torch.Tensor, total_tokens: torch.Tensor, total_rows: int, agg_mode: str) -> float:
@@ -73,17 +86,15 @@ class Actor(OptimizedModel):
         return batched_logprobs(self.model, inputs, self.algo.sampling.temperature, micro_batch_size)
 
     def update(self, inputs: dict[str, torch.Tensor], plan: UpdatePlan) -> dict[str, float]:
-        """PPO epochs over shuffled mini-batches; returns step-averaged metrics."""
+        """PPO epochs over this rank's mini-batches; metrics are this rank's share (see `_optimizer_step`)."""
         batch_size = inputs["input_ids"].shape[0]
         reuse_forward = plan.single_pass(batch_size) and "old_logprobs" not in inputs
         totals: dict[str, float] = {}
         count = 0
         self.model.train()
         for _ in range(plan.epochs):
-            order = torch.randperm(batch_size) if plan.mini_batch_size < batch_size else torch.arange(batch_size)
-            for start in range(0, batch_size, plan.mini_batch_size):
-                idx = order[start:start + plan.mini_batch_size]
-                mini = {k: v[idx] for k, v in inputs.items()}
+            for rows in plan.mini_batches(batch_size):
+                mini = {k: v[rows] for k, v in inputs.items()}
                 # An OOM retry repeats this whole optimizer step at half the micro-batch (allocator.py).
                 stats = self.allocator.run("train", plan.micro_batch_size,
                                            lambda size, mini=mini: self._optimizer_step(mini, size, reuse_forward))
@@ -94,7 +105,14 @@ class Actor(OptimizedModel):
         return {k: v / count for k, v in totals.items()}
 
     def _optimizer_step(self, mini: dict[str, torch.Tensor], micro_size: int, reuse_forward: bool) -> dict[str, float]:
+        """One optimizer step; loss metrics are returned pre-scaled by the data-parallel share.
+
+        Each micro-batch's weight is its share of the *global* mini-batch times the number of
+        ranks (FSDP averages gradients), so a plain mean of the ranks' metrics is the number
+        one process holding the whole mini-batch would report.
+        """
         algo = self.algo
+        loss_fn = get_policy_loss(algo.policy_loss).compute
         self.optimizer.zero_grad(set_to_none=True)
         total_tokens = mini["response_mask"].sum().clamp(min=1)
         total_rows = mini["response_mask"].shape[0]
@@ -106,8 +124,7 @@ class Actor(OptimizedModel):
             logprobs, entropy = response_logprobs(self.model, micro, algo.sampling.temperature,
                                                   with_entropy=True)
             old = logprobs.detach() if reuse_forward else micro["old_logprobs"]
-            pg, pg_stats = policy_loss(logprobs, old, micro["advantages"], mask, algo.clip_ratio_low,
-                                       algo.clip_ratio_high, algo.loss_agg_mode)
+            pg, pg_stats = loss_fn(logprobs, old, micro["advantages"], mask, algo)
             loss = pg
             ent = masked_mean(entropy, mask)
             if algo.entropy_coef > 0:
@@ -120,7 +137,7 @@ class Actor(OptimizedModel):
             (loss * weight).backward()
             for key, value in (("pg_loss", pg), ("entropy", ent), ("kl_loss", kl_value),
                                ("pg_clipfrac", pg_stats["clipfrac"]), ("ppo_kl", pg_stats["approx_kl"])):
-                sums[key] += float(value.detach()) * weight / dp_scale
+                sums[key] += float(value.detach()) * weight
         grad_norm = self.clip_and_step()
         return {**sums, "grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0]}
 

@@ -19,21 +19,25 @@ from verl_hpc.roles.optimizer import OptimizedModel
 
 
 class ValueModel(nn.Module):
-    def __init__(self, backbone: nn.Module, hidden_size: int):
+    def __init__(self, backbone: nn.Module, hidden_size: int, seed: int = 0):
         super().__init__()
         self.backbone = backbone
         self.value_head = nn.Linear(hidden_size, 1)
         # Fan-in init (values ~ unit scale at start), as a fresh regression head would be:
         # the first losses show how far the untrained critic is, and their fall shows it learning.
-        nn.init.normal_(self.value_head.weight, std=hidden_size ** -0.5)
+        # Its own generator: every placement must start from the same head, whatever ran before.
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            weight = torch.randn(self.value_head.weight.shape, generator=generator) * hidden_size ** -0.5
+            self.value_head.weight.copy_(weight.to(self.value_head.weight.dtype))
         nn.init.zeros_(self.value_head.bias)
 
     @classmethod
-    def from_pretrained(cls, path: str, dtype: torch.dtype = torch.float32) -> ValueModel:
+    def from_pretrained(cls, path: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> ValueModel:
         from transformers import AutoModel
 
         backbone = AutoModel.from_pretrained(path, dtype=dtype)
-        return cls(backbone, backbone.config.hidden_size)
+        return cls(backbone, backbone.config.hidden_size, seed)
 
     def forward(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         """Values of the states before each response token, [B, R]."""
@@ -56,14 +60,14 @@ class Critic(OptimizedModel):
         return torch.cat([self.model(mb) for mb in micro_batches(inputs, micro_batch_size)], dim=0)
 
     def update(self, inputs: dict[str, torch.Tensor], plan: UpdatePlan) -> dict[str, float]:
+        """Value regression over this rank's mini-batches (same slices every epoch, as the actor)."""
         batch_size = inputs["input_ids"].shape[0]
         self.model.train()
-        sums = {"vf_loss": 0.0, "vf_clipfrac": 0.0}
+        sums: dict[str, float] = {}
         count = 0
         for _ in range(plan.epochs):
-            order = torch.randperm(batch_size) if plan.mini_batch_size < batch_size else torch.arange(batch_size)
-            for start in range(0, batch_size, plan.mini_batch_size):
-                mini = {k: v[order[start:start + plan.mini_batch_size]] for k, v in inputs.items()}
+            for rows in plan.mini_batches(batch_size):
+                mini = {k: v[rows] for k, v in inputs.items()}
                 for key, value in self._optimizer_step(mini, plan.micro_batch_size).items():
                     sums[key] = sums.get(key, 0.0) + value
                 count += 1
@@ -71,6 +75,7 @@ class Critic(OptimizedModel):
         return {k: v / count for k, v in sums.items()}
 
     def _optimizer_step(self, mini: dict[str, torch.Tensor], micro_size: int) -> dict[str, float]:
+        """Loss metrics are pre-scaled by the data-parallel share, as in `Actor._optimizer_step`."""
         self.optimizer.zero_grad(set_to_none=True)
         total_tokens = mini["response_mask"].sum().clamp(min=1)
         sums = {"vf_loss": 0.0, "vf_clipfrac": 0.0}
@@ -82,7 +87,7 @@ class Critic(OptimizedModel):
             loss, stats = value_loss(values, micro["values"], micro["returns"], mask, self.algo.value_clip,
                                      self.algo.loss_agg_mode)
             (loss * weight * dp_scale).backward()
-            sums["vf_loss"] += float(loss.detach()) * weight
-            sums["vf_clipfrac"] += float(stats["vf_clipfrac"]) * weight
+            sums["vf_loss"] += float(loss.detach()) * weight * dp_scale
+            sums["vf_clipfrac"] += float(stats["vf_clipfrac"]) * weight * dp_scale
         sums["grad_norm"] = self.clip_and_step()
         return sums

@@ -1,9 +1,9 @@
-"""What a run checkpoints, when, and how it resumes — shared by both trainers.
+"""What a run checkpoints, when, and how it resumes, for every placement.
 
-Why the trainers only call `maybe_save` / `restore`: the state layout
+Why one checkpointer over a dict of state objects (torchtitan's `states`): the layout
 (`{"actor": {"model", "optim"}, "critic": ...}` as tensors through DCP, counters and
-data order as JSON) must be identical for the embedded and the distributed runtime, so
-a run can be resumed by either, on another number of processes.
+data order as JSON) must be the same whatever the placement, so a run can be resumed on
+another number of processes, and a new piece of run state is one more entry.
 
 Randomness is re-seeded at every step from (seed, step, role rank) (`step_seed`), so a
 resumed run samples exactly what the uninterrupted run sampled without having to
@@ -73,30 +73,40 @@ def resume_path(cfg: RunConfig, run_dir: Path) -> Path | None:
     return path
 
 
-def role_state(actor, critic) -> dict[str, Any]:
-    """The tensors to checkpoint (sharded DTensors under FSDP2: each rank writes its part)."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    model_sd, optim_sd = get_state_dict(actor.model, actor.optimizer)
-    state: dict[str, Any] = {"actor": {"model": model_sd, "optim": optim_sd}}
-    if critic is not None:
-        model_sd, optim_sd = get_state_dict(critic.model, critic.optimizer)
-        state["critic"] = {"model": model_sd, "optim": optim_sd}
-    return state
+FORMAT_VERSION = 2  # run_state.json layout; 1 (no field) is the same layout without the version
 
 
-def apply_role_state(state: dict[str, Any], actor, critic) -> None:
-    from torch.distributed.checkpoint.state_dict import set_state_dict
+class ModelState:
+    """A trained role's tensors (model + optimizer) as a state object for DCP.
 
-    set_state_dict(actor.model, actor.optimizer, model_state_dict=state["actor"]["model"],
-                   optim_state_dict=state["actor"]["optim"])
-    if critic is not None:
-        set_state_dict(critic.model, critic.optimizer, model_state_dict=state["critic"]["model"],
-                       optim_state_dict=state["critic"]["optim"])
+    Sharded DTensors under FSDP2: each rank writes and reads only its part, and DCP
+    reshards when the run resumes on another number of ranks.
+    """
+
+    def __init__(self, owner) -> None:  # owner: Actor or Critic (an OptimizedModel)
+        self.owner = owner
+
+    def state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.owner.model, self.owner.optimizer)
+        return {"model": model_sd, "optim": optim_sd}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        set_state_dict(self.owner.model, self.owner.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
 
 
 class RunCheckpointer:
-    """Cadence (steps, minutes, end, on request) + the run state around the manager."""
+    """Cadence (steps, minutes, end, on request) + a dict of state objects around the manager.
+
+    `tensor_states` (ModelState per trained role) go through DCP; `states` (trainer
+    counters, prompt sampler, schedulers, allocator, rollout buffer) are small and go to
+    run_state.json, each under its own key — the "trainer" state's keys at the top level,
+    as checkpoints of format 1 have them.
+    """
 
     def __init__(self, cfg: RunConfig, run_dir: Path, manager: CheckpointManager, world_sizes: dict[str, int],
                  is_leader: bool, group=None):
@@ -104,6 +114,7 @@ class RunCheckpointer:
         self.world_sizes, self.is_leader, self.group = world_sizes, is_leader, group
         self.last_save = time.monotonic()
         self.requested = False
+        self.save_seconds = 0.0
 
     def due(self, step: int) -> bool:
         """Whether to save after `step`; every rank of the group gets the leader's answer."""
@@ -117,20 +128,22 @@ class RunCheckpointer:
             due = bool(flag.item())
         return due
 
-    def save(self, step: int, policy_version: int, sampler, actor, critic, block: bool | None = None,
-             extra_state: dict[str, Any] | None = None, extra_files: dict[str, bytes] | None = None) -> Path:
-        state = {**(extra_state or {}), "step": step, "policy_version": policy_version,
-                 "sampler": sampler.state_dict(),
-                 "actor_scheduler": actor.scheduler.state_dict(),
-                 "critic_scheduler": critic.scheduler.state_dict() if critic is not None else None,
-                 "actor_allocator": actor.allocator.state_dict()}
+    def save(self, step: int, states: dict[str, Any], tensor_states: dict[str, ModelState],
+             block: bool | None = None, extra_files: dict[str, bytes] | None = None) -> Path:
+        run: dict[str, Any] = {"format_version": FORMAT_VERSION}
+        for name, obj in states.items():
+            if name == "trainer":
+                run.update(obj.state_dict())
+            else:
+                run[name] = obj.state_dict() if obj is not None else None
         meta = {"world_sizes": self.world_sizes, "model_dir": str(expand_path(self.cfg.model.path)),
                 "config_hash": run_state.config_hash((self.run_dir / "config.yaml").read_text()),
-                "policy_version": policy_version}
+                "policy_version": run["policy_version"], "format_version": FORMAT_VERSION}
         start = time.perf_counter()
-        path = self.manager.save(step, role_state(actor, critic), meta,
+        tensors = {name: state.state_dict() for name, state in tensor_states.items()}
+        path = self.manager.save(step, tensors, meta,
                                  rank_files={"rng.json": run_state.dumps(run_state.rng_state())},
-                                 shared_files={RUN_STATE_FILE: run_state.dumps(state), **(extra_files or {})},
+                                 shared_files={RUN_STATE_FILE: run_state.dumps(run), **(extra_files or {})},
                                  block=block)
         self.last_save, self.requested = time.monotonic(), False
         self.save_seconds = time.perf_counter() - start
@@ -138,20 +151,31 @@ class RunCheckpointer:
                  self.save_seconds)
         return path
 
-    def restore(self, path: Path, sampler, actor, critic) -> dict[str, Any]:
-        """Load tensors (resharded to this world) and the run state; returns the run state."""
+    def restore(self, path: Path, states: dict[str, Any], tensor_states: dict[str, ModelState]) -> dict[str, Any]:
+        """Load every state (tensors resharded to this world); returns the run state.
+
+        The format version is checked and every tensor read before anything is applied, so
+        a checkpoint this version cannot read is refused whole, never half-loaded.
+        """
         start = time.perf_counter()
-        state = role_state(actor, critic)
-        manifest = self.manager.load(path, state)
-        apply_role_state(state, actor, critic)
         run = run_state.loads(self.manager.read_shared(path, RUN_STATE_FILE))
-        sampler.load_state_dict(run["sampler"])
-        actor.scheduler.load_state_dict(run["actor_scheduler"])
-        if critic is not None and run.get("critic_scheduler"):
-            critic.scheduler.load_state_dict(run["critic_scheduler"])
+        version = int(run.get("format_version", 1))
+        if version > FORMAT_VERSION:
+            raise ConfigError("checkpoint.resume", f"{path} has checkpoint format version {version}; this "
+                              f"verl-hpc reads versions up to {FORMAT_VERSION}",
+                              "resume it with the verl-hpc that wrote it, or set checkpoint.resume: never")
+        tensors = {name: state.state_dict() for name, state in tensor_states.items()}
+        manifest = self.manager.load(path, tensors)
+        for name, state in tensor_states.items():
+            state.load_state_dict(tensors[name])
         recorded = manifest.get("meta", {}).get("world_sizes")
-        if run.get("actor_allocator") and recorded == self.world_sizes:  # new resources: learn afresh
-            actor.allocator.load_state_dict(run["actor_allocator"])
+        for name, obj in states.items():
+            if name == "trainer":
+                obj.load_state_dict(run)
+            elif obj is not None and run.get(name) is not None:
+                if name.endswith("_allocator") and recorded != self.world_sizes:
+                    continue  # new resources: the allocator learns its micro-batch sizes afresh
+                obj.load_state_dict(run[name])
         # The duration and a sub-second wall clock ride along: the preemption benchmark splits a
         # restart into start-up and restore with them (the log's own time field has 1 s steps).
         seconds = time.perf_counter() - start

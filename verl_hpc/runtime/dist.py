@@ -69,6 +69,8 @@ class DistContext:
     control_group: ProcessGroup
     sync_groups: dict[str, ProcessGroup]
     timeout_seconds: float
+    # Per non-trainer group: every trainer rank + that group's ranks (remote role exchanges).
+    exchange_groups: dict[str, ProcessGroup] = field(default_factory=dict)
     # gloo over the trainer ranks, for async checkpoint writes (never the training group:
     # DCP's async finish on a group that training also uses deadlocks).
     checkpoint_group: ProcessGroup | None = None
@@ -252,7 +254,16 @@ def _build_groups(env: JobEnvironment, plan: ProcessPlan, backend: str, timeout:
         if env.rank in ranks:
             sync_groups[spec.name] = pg
     trainer_ranks = plan.group_ranks(trainer.name)
+    exchange_groups: dict[str, ProcessGroup] = {}
+    for spec in plan.groups:
+        if spec.name == trainer.name:
+            continue
+        ranks = [*trainer_ranks, *plan.group_ranks(spec.name)]
+        pg = dist.new_group(ranks=ranks, timeout=timeout, backend="gloo")  # Arrow bytes: host memory
+        if env.rank in ranks:
+            exchange_groups[spec.name] = pg
     ckpt = dist.new_group(ranks=trainer_ranks, timeout=timeout, backend="gloo")
     return DistContext(env=env, plan=plan, group=mine, rank_in_group=rank_in_group, groups=groups,
                        checkpoint_group=ckpt if env.rank in trainer_ranks else None,
-                       control_group=control, sync_groups=sync_groups, timeout_seconds=timeout_seconds)
+                       control_group=control, sync_groups=sync_groups, timeout_seconds=timeout_seconds,
+                       exchange_groups=exchange_groups)

@@ -23,8 +23,7 @@ from pathlib import Path  # noqa: E402
 from verl_hpc.config import load_config  # noqa: E402
 from verl_hpc.config.placement import plan_for_config  # noqa: E402
 from verl_hpc.data.transport import read_run_secret  # noqa: E402
-from verl_hpc.runtime.dist import init_distributed  # noqa: E402
-from verl_hpc.runtime.dist_trainer import DistributedTrainer  # noqa: E402
+from verl_hpc.runtime.dist import DistContext, default_store, init_distributed  # noqa: E402
 from verl_hpc.runtime.env import JobEnvironment  # noqa: E402
 from verl_hpc.runtime.signals import EXIT_STOPPED_UNFINISHED, StopFlag, ignore_notices_until_exit  # noqa: E402
 from verl_hpc.utils.logging import get_logger, setup_logging  # noqa: E402
@@ -91,11 +90,11 @@ def main() -> int:
     get_logger("worker").info("joined the world: rank %d of %d, %s rank %d, backend %s", env.rank,
                               env.world_size, group.name, rank_in_group, cfg.resources.resolved_backend())
     try:
-        trainer = DistributedTrainer(cfg, ctx, run_dir, stop)
-        stopped_by = trainer.train()
-        if stopped_by is not None:
-            get_logger("worker").info("stopped: %s", stopped_by)
-            if trainer.is_leader and env.scheduler == "slurm" and trainer.wanted_requeue and not trainer.requeued:
+        outcome = run_worker(cfg, ctx, run_dir, stop)
+        if outcome.stopped_by is not None:
+            get_logger("worker").info("stopped: %s", outcome.stopped_by)
+            if env.scheduler == "slurm" and outcome.wanted_requeue and not outcome.requeued \
+                    and env.rank == plan.group_ranks(plan.groups[0].name)[0]:
                 return EXIT_STOPPED_UNFINISHED  # the job must not look COMPLETED
     except Exception as err:  # the launcher shows a log's last lines: make the cause the last one
         traceback.print_exc()
@@ -105,6 +104,35 @@ def main() -> int:
     finally:
         ctx.destroy()
     return 0
+
+
+def run_worker(cfg, ctx: DistContext, run_dir: Path, stop: StopFlag):  # -> Outcome
+    """This process's part of the run: the one loop on the placement the plan gives it."""
+    from verl_hpc.data.prompts import PromptSampler
+    from verl_hpc.runtime.checkpointing import RunCheckpointer, build_manager, seed_all
+    from verl_hpc.runtime.heartbeat import Heartbeat
+    from verl_hpc.runtime.lifecycle import RunLifecycle
+    from verl_hpc.runtime.loop import RLTrainer
+    from verl_hpc.runtime.placement import build_distributed
+
+    seed_all(cfg.trainer.seed + ctx.env.rank)
+    heartbeat = Heartbeat(ctx.plan, ctx.env.rank, default_store())
+    heartbeat.start()
+    placement = build_distributed(cfg, ctx, run_dir, heartbeat)
+    try:
+        sampler = PromptSampler(len(placement.roles.dataset), cfg.trainer.batch_size // cfg.algorithm.sampling.n,
+                                cfg.trainer.seed, cfg.data.shuffle)
+        checkpointer = None
+        if ctx.is_role("actor"):
+            manager = build_manager(cfg, run_dir, process_group=ctx.process_group, async_group=ctx.checkpoint_group)
+            checkpointer = RunCheckpointer(cfg, run_dir, manager, {g.name: g.size for g in ctx.plan.groups},
+                                           placement.is_leader, ctx.process_group)
+        trainer = RLTrainer(cfg, placement, sampler, on_stage=heartbeat.enter)
+        ctx.barrier("start")
+        return RunLifecycle(cfg, run_dir, trainer, checkpointer, stop).run()
+    finally:
+        heartbeat.close()
+        placement.close()
 
 
 def run() -> int:

@@ -1,0 +1,3 @@
+"""The built-in estimators and losses; importing this package registers them."""
+
+from verl_hpc.algo.estimators import gae, grpo, vanilla  # noqa: F401 - registration side effect

@@ -1,0 +1,205 @@
+"""One role builder: what a process holds, from the roles its group hosts.
+
+Why one function for every placement: the one-process run, a colocated trainer rank, a
+rollout rank and a ref/critic/reward rank differ only in *which* roles they host, never in
+*how* a role is made. Building the actor, reference, critic, engine and reward in one
+place is what keeps their numbers identical across placements (same weights, same value
+head, same tokenisation).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from verl_hpc.config import ConfigError, RunConfig
+from verl_hpc.config.checks import expand_path, resolve_function
+from verl_hpc.data.prompts import PromptDataset
+from verl_hpc.data.tasks import write_task_prompts
+from verl_hpc.roles.actor import Actor
+from verl_hpc.roles.allocator import ResourceAllocator
+from verl_hpc.roles.critic import Critic, ValueModel
+from verl_hpc.roles.fsdp import shard_model
+from verl_hpc.roles.reward import ModelReward, RuleReward
+from verl_hpc.roles.rollout import RolloutEngine, build_engine
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+COMPUTE_DTYPES = {"none": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class Roles:
+    """What one process holds; a role it does not host is None."""
+
+    tokenizer: Any
+    device: torch.device
+    dataset: PromptDataset
+    prompt_ids: list[list[int]]
+    hosted: tuple[str, ...]
+    actor: Actor | None = None
+    ref_model: torch.nn.Module | None = None
+    critic: Critic | None = None
+    engine: RolloutEngine | None = None
+    reward: RuleReward | ModelReward | None = None
+    allocator: ResourceAllocator = field(default_factory=ResourceAllocator)  # generation's OOM retries
+
+    @property
+    def pad_id(self) -> int:
+        return self.tokenizer.pad_token_id
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+
+
+@dataclass
+class BuildSpec:
+    """Where this process's roles live: its group's roles, device, and FSDP group if sharded."""
+
+    hosted: tuple[str, ...]
+    device: torch.device
+    fsdp_group: dist.ProcessGroup | None = None   # the group's process group when it shards (FSDP2)
+    engine_colocated: bool = True                 # the engine time-shares the trainer's devices
+    engine_log: Path | None = None
+    launched: bool = True                         # devices already narrowed by a launcher/Slurm
+    rollout_builds_reward: bool = True            # a rule reward scores where rollouts are made
+
+
+def resolve_device(cfg: RunConfig) -> torch.device:
+    """The device of a one-process run (the actor's first device)."""
+    actor = cfg.resources.actor
+    if actor.device_type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError("resources.actor.device_type", "cuda requested but no CUDA device is available",
+                              "set device_type: cpu (or resources.device_type=cpu for every role)")
+        if actor.device_ids[0] >= torch.cuda.device_count():
+            raise ConfigError("resources.actor.device_ids", f"GPU {actor.device_ids[0]} does not exist "
+                              f"({torch.cuda.device_count()} visible)", "use a visible device id")
+        return torch.device("cuda", actor.device_ids[0])
+    return torch.device("cpu")
+
+
+def ensure_model(cfg: RunConfig) -> Path:
+    """The model directory, built from `model.init_preset` on first use."""
+    path = expand_path(cfg.model.path)
+    if cfg.model.init_preset is not None:
+        from verl_hpc.models.tiny import init_model
+
+        init_model(path, preset=cfg.model.init_preset, seed=cfg.model.init_seed)
+    return path
+
+
+def prompt_files(cfg: RunConfig, run_dir: Path) -> list[Path]:
+    files = [expand_path(f) for f in cfg.data.train_files]
+    task = cfg.data.task
+    if task is not None:
+        out = run_dir / "data" / f"{task.name}_prompts.parquet"
+        if not out.exists():
+            write_task_prompts(task.name, out, task.num_prompts, task.max_operand, task.seed)
+        files.append(out)
+    return files
+
+
+def tokenize_prompts(tokenizer, prompts: list[str], max_len: int) -> list[list[int]]:
+    """Token ids per prompt, keeping the last `max_len` tokens (the question's end matters most)."""
+    encoded = tokenizer(prompts, add_special_tokens=False)["input_ids"]
+    return [ids[-max_len:] for ids in encoded]
+
+
+def build_reward(cfg: RunConfig, tokenizer, device: torch.device, override: Any = None) -> RuleReward | ModelReward:
+    """The rule function or reward model (`override`: the facade's `reward_model=` object)."""
+    on_error = getattr(cfg.reward, "on_error", "fail")
+    if override is not None:
+        if callable(override):
+            return RuleReward(override, tokenizer, on_error=on_error)
+        if isinstance(override, str) and ":" in override and not os.path.isdir(override):
+            return RuleReward(resolve_function(override, "reward_model"), tokenizer, on_error=on_error)
+        return ModelReward(str(override), device)
+    if cfg.reward.function is not None:
+        return RuleReward(resolve_function(cfg.reward.function, "reward.function"), tokenizer, on_error=on_error)
+    return ModelReward(str(expand_path(cfg.reward.model_path or "")), device)
+
+
+def load_causal_lm(path: str, dtype: torch.dtype) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+
+
+def build_roles(cfg: RunConfig, run_dir: Path, spec: BuildSpec, actor_model: Any = None,
+                reward_model: Any = None) -> Roles:
+    """Every role `spec.hosted` names, on `spec.device`, sharded over `spec.fsdp_group` if set."""
+    from transformers import AutoTokenizer
+
+    model_dir = str(ensure_model(cfg))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
+    dataset = PromptDataset(prompt_files(cfg, run_dir), cfg.data.prompt_key, cfg.data.answer_key)
+    roles = Roles(tokenizer=tokenizer, device=spec.device, dataset=dataset, hosted=spec.hosted,
+                  prompt_ids=tokenize_prompts(tokenizer, dataset.prompts, cfg.data.max_prompt_length))
+    dtype = DTYPES[cfg.model.dtype]
+    policy = None
+    if "actor" in spec.hosted or "ref" in spec.hosted:
+        policy = actor_model if isinstance(actor_model, torch.nn.Module) else \
+            load_causal_lm(str(actor_model) if actor_model is not None else model_dir, dtype)
+        policy.to(spec.device)
+    if "ref" in spec.hosted:
+        roles.ref_model = _frozen(copy.deepcopy(policy), cfg, spec)
+    if "actor" in spec.hosted:
+        if spec.fsdp_group is not None:
+            shard_model(policy, spec.fsdp_group, spec.device.type, COMPUTE_DTYPES[cfg.model.mixed_precision])
+        roles.actor = Actor(policy, cfg.algorithm, cfg.trainer.actor_optim, cfg.trainer.total_steps,
+                            dp_group=spec.fsdp_group)
+    if "critic" in spec.hosted:
+        roles.critic = _build_critic(cfg, spec, model_dir, dtype)
+    if "rollout" in spec.hosted:
+        roles.engine = _build_engine(cfg, spec, roles, model_dir, policy)
+        if (spec.rollout_builds_reward and cfg.reward.function is not None) or callable(reward_model):
+            roles.reward = build_reward(cfg, tokenizer, spec.device, reward_model)
+    if "reward" in spec.hosted and roles.reward is None:
+        roles.reward = build_reward(cfg, tokenizer, spec.device, reward_model)
+    trainer = cfg.trainer
+    roles.allocator = ResourceAllocator(spec.device, trainer.min_micro_batch_size, trainer.oom_retry)
+    if roles.actor is not None:  # training retries only on a lone trainer: an FSDP peer would hang waiting
+        roles.actor.allocator = ResourceAllocator(spec.device, trainer.min_micro_batch_size,
+                                                  trainer.oom_retry and spec.fsdp_group is None)
+    return roles
+
+
+def _frozen(model: torch.nn.Module, cfg: RunConfig, spec: BuildSpec) -> torch.nn.Module:
+    model.eval().requires_grad_(False)
+    if spec.fsdp_group is not None:
+        shard_model(model, spec.fsdp_group, spec.device.type, COMPUTE_DTYPES[cfg.model.mixed_precision])
+    return model
+
+
+def _build_critic(cfg: RunConfig, spec: BuildSpec, model_dir: str, dtype: torch.dtype) -> Critic:
+    critic_dir = str(expand_path(cfg.model.critic_path)) if cfg.model.critic_path else model_dir
+    value_model = ValueModel.from_pretrained(critic_dir, dtype, seed=cfg.trainer.seed).to(spec.device)
+    if spec.fsdp_group is not None:
+        shard_model(value_model, spec.fsdp_group, spec.device.type, COMPUTE_DTYPES[cfg.model.mixed_precision])
+    return Critic(value_model, cfg.algorithm, cfg.trainer.critic_optim, cfg.trainer.total_steps,
+                  dp_group=spec.fsdp_group)
+
+
+def _build_engine(cfg: RunConfig, spec: BuildSpec, roles: Roles, model_dir: str,
+                  policy: torch.nn.Module | None) -> RolloutEngine:
+    """The rollout engine; a lone unsharded actor shares its module with an HF engine (no copy, no sync)."""
+    resources = cfg.resources.rollout
+    hf_model = None
+    if resources.strategy != "vllm":
+        shareable = policy is not None and spec.fsdp_group is None and roles.actor is not None
+        hf_model = policy if shareable else load_causal_lm(model_dir, DTYPES[cfg.model.dtype]).to(spec.device)
+    engine = build_engine(resources, model_dir, roles.tokenizer, spec.device, colocated=spec.engine_colocated,
+                          timeout=cfg.resources.timeout_seconds, hf_model=hf_model, log_file=spec.engine_log,
+                          launched=spec.launched)
+    if cfg.data.replay_rollouts is not None:
+        from verl_hpc.roles.rollout.replay import ReplayRolloutEngine
+
+        engine = ReplayRolloutEngine(engine, expand_path(cfg.data.replay_rollouts))
+    return engine

@@ -1,0 +1,180 @@
+"""Everything around the step: resume, the step loop, checkpoints, stop, resize, export.
+
+Why apart from the loop: the loop (loop.py) is the algorithm; when to save, how every
+rank learns where to resume, what a stop signal does (checkpoint, then requeue under
+Slurm) and how the trained model is exported are the run's lifecycle, identical for every
+placement. Placement-specific parts (agreeing on a stop across ranks, telling serving
+ranks to leave) are placement methods.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from verl_hpc.config import RunConfig
+from verl_hpc.metrics import MetricsLogger, Progress
+from verl_hpc.runtime import resize
+from verl_hpc.runtime.checkpointing import ModelState, RunCheckpointer, resume_path
+from verl_hpc.runtime.env import JobEnvironment
+from verl_hpc.runtime.loop import RLTrainer
+from verl_hpc.runtime.signals import REQUEUE_SIGNALS, StopFlag, requeue
+from verl_hpc.utils.logging import get_logger
+
+log = get_logger("trainer")
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    steps: int
+    hf_model_dir: Path | None
+    last_metrics: dict[str, float] = field(default_factory=dict)
+    stopped_by: str | None = None  # the signal that stopped the run early, if any
+
+
+@dataclass
+class Outcome:
+    """How the step loop ended, for the worker's exit code and the result."""
+
+    stopped_by: str | None = None   # signal name, resize, or "stop requested by the trainer"
+    requeued: bool = False          # the leader's `scontrol requeue` went through
+    wanted_requeue: bool = False    # the signal asked for one (USR1/USR2)
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class RunLifecycle:
+    def __init__(self, cfg: RunConfig, run_dir: Path, trainer: RLTrainer, checkpointer: RunCheckpointer | None,
+                 stop: StopFlag):
+        self.cfg, self.run_dir, self.trainer, self.checkpointer, self.stop = cfg, run_dir, trainer, checkpointer, stop
+        self.placement = trainer.placement
+
+    # --- state ------------------------------------------------------------------------------
+    def states(self) -> dict[str, Any]:
+        roles = self.placement.roles
+        actor, critic = roles.actor, roles.critic
+        states: dict[str, Any] = {"trainer": self.trainer, "sampler": self.trainer.sampler,
+                                  "actor_scheduler": actor.scheduler, "actor_allocator": actor.allocator,
+                                  "critic_scheduler": critic.scheduler if critic is not None else None}
+        states.update(self.placement.extra_states())
+        return states
+
+    def tensor_states(self) -> dict[str, ModelState]:
+        roles = self.placement.roles
+        tensors = {"actor": ModelState(roles.actor)}
+        if roles.critic is not None:
+            tensors["critic"] = ModelState(roles.critic)
+        return tensors
+
+    def resume(self) -> None:
+        """Trainer ranks load the newest checkpoint; every rank learns the step; engines get the weights."""
+        p = self.placement
+        path = resume_path(self.cfg, self.run_dir) if p.is_leader else None
+        path = p.share_from_leader(str(path) if path else None)
+        run: dict[str, Any] | None = None
+        if path is not None and self.checkpointer is not None:
+            run = self.checkpointer.restore(Path(path), self.states(), self.tensor_states())
+        if path is not None:
+            run = p.share_from_leader(run)
+            if self.checkpointer is None:  # a serving rank: counters and data order, no tensors
+                self.trainer.load_state_dict(run)
+                self.trainer.sampler.load_state_dict(run["sampler"])
+            p.after_resume(Path(path), run, self.checkpointer.manager.read_shared if self.checkpointer else None)
+            p.resume_weights(self.trainer.policy_version)
+
+    def maybe_save(self, metrics: dict[str, float]) -> None:
+        ckpt, step = self.checkpointer, self.trainer.step
+        if ckpt is None or not ckpt.due(step):
+            return
+        final = step == self.cfg.trainer.total_steps or ckpt.requested
+        ckpt.save(step, self.states(), self.tensor_states(), block=True if final else None,
+                  extra_files=self.placement.extra_files(step))
+        if self.placement.is_leader:
+            metrics["timing_s/save_checkpoint"] = ckpt.save_seconds
+
+    # --- the loop around the step --------------------------------------------------------------
+    def run(self) -> Outcome:
+        cfg, trainer, p = self.cfg, self.trainer, self.placement
+        self.resume()
+        logger = MetricsLogger(self.run_dir / "tensorboard", cfg.logging.tensorboard,
+                               purge_step=trainer.step + 1) if p.is_leader else None
+        progress = Progress(cfg.trainer.total_steps, trainer.step, cfg.logging.progress) if p.is_leader else None
+        if p.is_leader:
+            log.info("training %s for %d steps in %s", cfg.algorithm.name, cfg.trainer.total_steps, self.run_dir)
+        try:
+            return self.steps(logger, progress)
+        finally:
+            if self.checkpointer is not None:
+                self.checkpointer.manager.wait()
+            for sink in (progress, logger):
+                if sink is not None:
+                    sink.close()
+
+    def steps(self, logger: MetricsLogger | None, progress: Progress | None) -> Outcome:
+        cfg, trainer, p = self.cfg, self.trainer, self.placement
+        outcome = Outcome()
+        while trainer.step < cfg.trainer.total_steps:
+            metrics = p.guard(trainer.step + 1, trainer.next_step)
+            if metrics is None:  # a serving rank told to stop by the trainer
+                outcome.stopped_by = "stop requested by the trainer"
+                return outcome
+            signum, resizing = (None, False)
+            if p.trains:
+                signum, resizing = p.agree(self.stop)
+                if self.checkpointer is not None and (signum or resizing):
+                    self.checkpointer.requested = True
+                self.maybe_save(metrics)
+            if p.is_leader:
+                self.log_step(metrics, logger, progress)
+                outcome.metrics = metrics
+            last = trainer.step == cfg.trainer.total_steps
+            if resizing:
+                p.stop_services()
+                if p.is_leader:
+                    resize.accept(self.run_dir, trainer.step)
+                outcome.stopped_by = resize.RESIZE_REASON
+                return outcome
+            if signum and not last:  # at the last step a stop signal just lets the run finish
+                return self.stop_for_signal(signum, outcome)
+        self.finish()
+        return outcome
+
+    def log_step(self, metrics: dict[str, float], logger: MetricsLogger | None, progress: Progress | None) -> None:
+        cfg, step = self.cfg, self.trainer.step
+        if logger is not None and (step % cfg.logging.log_every == 0 or step == cfg.trainer.total_steps):
+            logger.log_scalars(step, metrics)
+            batch = self.trainer.last_batch
+            if step % cfg.logging.sample_every == 0 and cfg.logging.num_samples and batch is not None:
+                logger.log_text(step, "samples", self.trainer.samples_text(batch))
+        if progress is not None:
+            progress.update(step, {"score": metrics.get("critic/score/mean", float("nan")),
+                                   "s/step": metrics.get("timing_s/step", float("nan"))})
+
+    def stop_for_signal(self, signum: int, outcome: Outcome) -> Outcome:
+        self.placement.stop_services()
+        outcome.stopped_by = StopFlag.name(signum)
+        if self.placement.is_leader:
+            outcome.requeued, message = requeue(JobEnvironment.from_env(), self.cfg.slurm.max_requeues, signum)
+            outcome.wanted_requeue = signum in REQUEUE_SIGNALS
+            log.warning("stopped by %s after step %d (checkpoint saved); %s", outcome.stopped_by,
+                        self.trainer.step, message)
+            if self.placement.world_size_of_run > 1:
+                print(f"verl-hpc: {message}", file=sys.stderr, flush=True)
+        return outcome
+
+    def finish(self) -> None:
+        """The end: every rank meets, then the trained policy is exported as a Hugging Face directory."""
+        p = self.placement
+        if self.checkpointer is not None:
+            self.checkpointer.manager.wait()
+        p.barrier("end")
+        if not self.cfg.trainer.save_hf_model or not p.trains:
+            return
+        model = p.export_model()
+        if model is not None:
+            from verl_hpc.checkpoint.hf_export import save_hf_directory
+
+            save_hf_directory(model, p.roles.tokenizer, self.run_dir / "hf_model")
+            log.info("saved %s", self.run_dir / "hf_model")

@@ -1,0 +1,149 @@
+"""The one RL loop: generate -> score -> ref/old logprobs, values -> advantages -> update -> sync.
+
+Why one loop: this file is the algorithm a reader checks against the GRPO and PPO papers,
+and it is the same code for one process, a colocated hybrid engine and split role groups.
+Where each stage runs is the placement's business (runtime/placement/); what an estimator
+needs is the registry's (verl_hpc.algo); when to save, stop or resume is the lifecycle's
+(runtime/lifecycle.py). Every trainer rank runs `train_step` on its own rows of the step;
+a rank that hosts no trainer runs its role's part of the same step (`placement.serve`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from verl_hpc.algo import AdvantageInputs, kl_penalty, token_level_rewards
+from verl_hpc.config import RunConfig
+from verl_hpc.data.prompts import PromptSampler
+from verl_hpc.data.rollout_batch import RolloutBatch
+from verl_hpc.metrics import memory_metrics
+from verl_hpc.roles.forward import to_device
+from verl_hpc.runtime.checkpointing import reseed
+from verl_hpc.runtime.placement.base import Placement, Timer
+from verl_hpc.runtime.step_metrics import data_metrics, perf_metrics, prefixed, sync_metrics
+
+UPDATE_COLUMNS = ("advantages", "returns", "token_rewards", "ref_logprobs", "old_logprobs", "values")
+
+
+class RLTrainer:
+    """The step and the counters that say where the run is (`state_dict` rides in checkpoints)."""
+
+    def __init__(self, cfg: RunConfig, placement: Placement, sampler: PromptSampler,
+                 on_stage: Any = None):
+        self.cfg, self.placement, self.sampler = cfg, placement, sampler
+        self.step = 0
+        self.policy_version = 0
+        self.on_stage = on_stage  # heartbeat: hears "step N <stage>" as each stage starts
+        self.last_batch: RolloutBatch | None = None  # the leader's whole batch of the latest step
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self.step, "policy_version": self.policy_version}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step, self.policy_version = int(state["step"]), int(state["policy_version"])
+
+    def timer(self) -> Timer:
+        step = self.step
+        return Timer(None if self.on_stage is None else lambda name: self.on_stage(f"step {step} {name}"))
+
+    def next_step(self) -> dict[str, float] | None:
+        """Advance one step; returns the leader's metrics, {} on other ranks, None when told to stop."""
+        self.step += 1
+        reseed(self.cfg.trainer.seed, self.step, self.placement.seed_stream())
+        indices = self.sampler.next_indices()
+        if not self.placement.trains:
+            return {} if self.placement.serve(self.step, indices, self.timer()) else None
+        return self.train_step(indices)
+
+    def train_step(self, indices: list[int]) -> dict[str, float] | None:
+        cfg, p, timer = self.cfg, self.placement, self.timer()
+        algo = cfg.algorithm
+        with timer("step"):
+            batch = p.rollouts(self.step, indices, self.policy_version, timer)
+            if batch is None:
+                return None
+            inputs = to_device(batch.model_inputs(p.roles.pad_id), p.roles.device)
+            self.forward_passes(batch, inputs, timer)
+            with timer("adv"):
+                self.add_advantages(batch, inputs)
+            train_metrics: dict[str, float] = {}
+            if algo.needs_critic:
+                with timer("update_critic"):
+                    train_metrics.update(prefixed("critic", p.update_critic(batch, inputs)))
+            update_actor = self.step > algo.critic_warmup_steps
+            if update_actor:
+                with timer("update_actor"):
+                    train_metrics.update(prefixed("actor", p.roles.actor.update(inputs, p.plan())))
+                self.policy_version += 1
+            with timer("update_weights"):
+                sync_bytes = p.sync_weights(self.policy_version, changed=update_actor)
+        batch = batch.with_columns(**{k: inputs[k] for k in UPDATE_COLUMNS if k in inputs})
+        p.record(self.step, batch)
+        return self.step_metrics(batch, p.mean_metrics(train_metrics), timer, sync_bytes)
+
+    def forward_passes(self, batch: RolloutBatch, inputs: dict[str, torch.Tensor], timer: Timer) -> None:
+        """Reference and old logprobs, critic values: what the estimator and losses will read."""
+        algo, p = self.cfg.algorithm, self.placement
+        if algo.needs_ref:
+            with timer("ref"):
+                inputs["ref_logprobs"] = p.ref_logprobs(batch, inputs)
+        rows = inputs["input_ids"].shape[0]
+        # The in-reward KL compares the sampling policy with the reference: it needs the old logprobs.
+        if algo.kl.in_reward or p.roles.actor.old_logprobs_needed(p.plan(), rows):  # type: ignore[union-attr]
+            with timer("old_log_prob"):
+                inputs["old_logprobs"] = p.roles.actor.compute_logprobs(  # type: ignore[union-attr]
+                    inputs, p.plan().micro_batch_size)
+        if algo.needs_critic:
+            with timer("values"):
+                inputs["values"] = p.values(batch, inputs)
+
+    def add_advantages(self, batch: RolloutBatch, inputs: dict[str, torch.Tensor]) -> None:
+        algo, mask = self.cfg.algorithm, inputs["response_mask"]
+        scores = batch.scores().to(mask.device)
+        kl = None
+        if algo.kl.in_reward:
+            kl = kl_penalty(inputs["old_logprobs"], inputs["ref_logprobs"], algo.kl.estimator)
+        token_rewards = token_level_rewards(scores, mask, kl, algo.kl.coef if kl is not None else 0.0)
+        group_ids = torch.from_numpy(batch.column("group_id").to_numpy()).to(mask.device)
+        advantages, returns = algo.estimator.compute(AdvantageInputs(
+            scores=scores, group_ids=group_ids, response_mask=mask, token_rewards=token_rewards,
+            values=inputs.get("values"), algo=algo, reduce_sum=self.placement.reduce_sum))
+        inputs.update(advantages=advantages.float(), returns=returns.float(), token_rewards=token_rewards.float())
+
+    def step_metrics(self, batch: RolloutBatch, train_metrics: dict[str, float], timer: Timer,
+                     sync_bytes: int) -> dict[str, float]:
+        """verl's metric names, over the whole step (leader), {} on the other trainer ranks."""
+        p, cfg = self.placement, self.cfg
+        whole = p.whole_batch(batch)
+        if whole is None:
+            return {}
+        self.last_batch = whole
+        inputs = whole.model_inputs(p.roles.pad_id)
+        width = inputs["response_mask"].shape[1]
+        for key in UPDATE_COLUMNS:
+            if whole.has(key):
+                inputs[key] = whole.token_tensor(key, width)
+        actor = p.roles.actor
+        actor.allocator.probe()  # type: ignore[union-attr]
+        step_seconds = timer.seconds["timing_s/step"]
+        metrics = {**data_metrics(whole.scores(), inputs, cfg.algorithm.sampling.max_new_tokens),
+                   **train_metrics, **timer.seconds, **perf_metrics(inputs, step_seconds),
+                   **memory_metrics(p.roles.device), **actor.allocator.metrics(),  # type: ignore[union-attr]
+                   "actor/policy_version": float(self.policy_version)}
+        if sync_bytes or p.last_sync_bytes:
+            metrics.update(sync_metrics(sync_bytes, timer.seconds.get("timing_s/update_weights", 0.0)))
+        metrics.update(p.extra_metrics(whole, self.policy_version))
+        reward = p.roles.reward
+        if reward is not None and hasattr(reward, "metrics"):
+            metrics.update(reward.metrics())
+        return metrics
+
+    def samples_text(self, batch: RolloutBatch) -> str:
+        count = min(self.cfg.logging.num_samples, len(batch))
+        decode = self.placement.roles.tokenizer.decode
+        rows = [f"| `{decode(p)}` | `{decode(r, skip_special_tokens=True)}` | {s:.3f} |" for p, r, s in zip(
+            batch.column("prompt_ids").to_pylist()[:count], batch.column("response_ids").to_pylist()[:count],
+            batch.scores().tolist()[:count], strict=True)]
+        return "| prompt | response | score |\n|---|---|---|\n" + "\n".join(rows)
