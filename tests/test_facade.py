@@ -292,3 +292,19 @@ def test_model_object_and_reward_function_reach_split_workers(tmp_path: Path, ti
     rows = read_jsonl_metrics(tmp_path / "run" / "tensorboard" / "metrics.jsonl")
     assert all(0.0 <= r["critic/score/mean"] <= 1.0 for r in rows)
     assert (tmp_path / "run" / "init_model" / "config.json").is_file()
+
+
+@pytest.mark.parametrize("guarded", [True, False])
+def test_a_scripts_reward_reaches_workers_only_behind_a_main_guard(tmp_path: Path, guarded: bool) -> None:
+    """A worker loads the script to find the function; unguarded, it would start training again."""
+    import subprocess
+    import sys
+
+    body = "    print(script_spec(score), importable_spec(score))\n"
+    script = tmp_path / "train_script.py"
+    script.write_text("from verl_hpc.api_objects import importable_spec, script_spec\n\n"
+                      "def score(prompt, response, ground_truth, **_):\n    return 1.0\n\n"
+                      + ("if __name__ == '__main__':\n" + body if guarded else body.strip() + "\n"))
+    out = subprocess.run([sys.executable, str(script)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ([f"{script.resolve()}:score", "None"] if guarded else ["None", "None"])

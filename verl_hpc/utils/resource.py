@@ -26,8 +26,8 @@ if TYPE_CHECKING:
 __all__ = ["CUDA_HINT", "HybridTrainer", "get_gpu_usage", "load_resource_config", "pin_to_device",
            "visible_cuda_ids"]
 
-CUDA_HINT = ("set device_type: cpu in the resources section, or run on a GPU node "
-             "(Slurm: --gres=gpu:N / gpus_per_node) with a CUDA build of torch")
+CUDA_HINT = ("set device_type: cpu in the resources section (resources.device_type=cpu moves every role), "
+             "or run on a GPU node (Slurm: --gres=gpu:N / gpus_per_node) with a CUDA build of torch")
 
 
 def pin_to_device(device_type: str, device_ids: list[int] | None = None, local_rank: int = 0,
