@@ -40,15 +40,38 @@ def test_rule_reward_arithmetic(tokenizer):
 
     scores = RuleReward(recording_score, tokenizer).score(batch)
     assert scores.dtype == torch.float32
-    assert scores.tolist() == [1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 0.0]
+    # full marks need the number then EOS; " 2 and more" has the right number but runs on
+    assert scores.tolist() == [1.0, 0.0, 0.5, 0.0, 1.0, 0.0, 0.0]
+    assert [c["finished"] for c in calls] == [True, False, False, False, True, False, False]
     # the function sees decoded text, special tokens removed, and "" for a missing answer
     assert [c["prompt"] for c in calls] == prompts
     assert [c["response"] for c in calls] == responses
     assert calls[-1]["ground_truth"] == ""
 
 
+@pytest.mark.parametrize(("on_error", "expected"), [("zero", [0.0, 1.0, 0.0, 0.0]), ("skip", [1.0, 1.0, 0.0, 0.0])])
+def test_bad_scores_are_replaced_and_counted(tokenizer, on_error, expected):
+    """Rows 0-1 are one group, 2-3 another: skip gives a bad row its group's mean of valid scores."""
+    batch = RolloutBatch.from_generation([[5]] * 4, [[6]] * 4, None, group_ids=[0, 0, 1, 1],
+                                         prompt_index=[7, 7, 9, 9], ground_truth=["1"] * 4, policy_version=0)
+    values = iter([float("nan"), 1.0, "x", float("inf")])
+    reward = RuleReward(lambda **_: next(values), tokenizer, on_error=on_error)
+    assert reward.score(batch).tolist() == expected
+    assert reward.metrics() == {"reward/errors": 3.0} and reward.errors == 3
+
+
+def test_a_bad_score_fails_naming_prompt_and_value(tokenizer):
+    from verl_hpc.roles.reward import RewardError
+
+    batch = RolloutBatch.from_generation([[5]] * 2, [[6]] * 2, None, group_ids=[0, 0], prompt_index=[4, 11],
+                                         ground_truth=["1"] * 2, policy_version=0)
+    values = iter([0.5, float("nan")])
+    with pytest.raises(RewardError, match=r"^reward.function: .* returned nan for prompt index 11 \(batch row 1\)"):
+        RuleReward(lambda prompt, response, ground_truth: next(values), tokenizer).score(batch)
+
+
 def test_rule_reward_writes_back_as_score_column(tokenizer):
-    batch = make_batch(tokenizer, ["1+1=", "2+2="], ["2", "5"], ["2", "4"])
+    batch = make_batch(tokenizer, ["1+1=", "2+2="], ["2", "5"], ["2", "4"], eos_rows=(0, 1))
     scored = batch.with_columns(score=RuleReward(arithmetic_score, tokenizer).score(batch))
     assert scored.scores().tolist() == [1.0, 0.0]
 

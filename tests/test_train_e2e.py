@@ -83,6 +83,31 @@ def test_quickstart_model_beats_every_constant_answer(quickstart_run: Path) -> N
     assert accuracy > best_constant_accuracy(4) + 0.3, accuracy
 
 
+def test_quickstart_model_answers_and_stops(quickstart_run: Path) -> None:
+    """Greedy answers to all 25 prompts a+b= (a, b <= 4) are the number then EOS, and >= 80% right.
+
+    The reward gives full marks only for the number followed by EOS (issue 14, item 8): before,
+    the model answered `3+4=` with `7se7se`, never having learned to stop.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    hf_dir = quickstart_run / "hf_model"
+    model = AutoModelForCausalLM.from_pretrained(hf_dir).eval()
+    tok = AutoTokenizer.from_pretrained(hf_dir)
+    answers = {}
+    for a in range(5):
+        for b in range(5):
+            ids = torch.tensor([tok(f"{a}+{b}=", add_special_tokens=False)["input_ids"]])
+            out = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=tok.pad_token_id)
+            new = out[0, ids.shape[1]:].tolist()
+            assert tok.eos_token_id in new, (a, b, tok.decode(new))
+            answer = new[:new.index(tok.eos_token_id)]
+            assert tok.decode(answer, skip_special_tokens=True).strip().isdigit(), (a, b, tok.decode(new))
+            answers[(a, b)] = tok.decode(answer, skip_special_tokens=True).strip()
+    right = sum(text == str(a + b) for (a, b), text in answers.items())
+    assert right >= 0.8 * len(answers), answers
+
+
 def test_quickstart_ppo_critic_learns(tmp_path: Path, tiny_model_dir: Path) -> None:
     run_dir = tmp_path / "ppo"
     proc = run_cli("train", "configs/quickstart_ppo.yaml", "--run-dir", str(run_dir), f"model.path={tiny_model_dir}")

@@ -3,9 +3,12 @@
 Why this task (measured, see docs/configuration.md): answers are spelled digit by digit
 with a ~64-token vocabulary, so a random policy's first number is right a few percent
 of the time — enough for most GRPO groups of 8 to have reward spread from step one.
-The reward reads only the *first integer* of the response, so no constant answer
-scores better than the most frequent sum (`best_constant_accuracy`), and a learned
-policy must beat that bar, not just raise its mean.
+The reward reads the *first integer* of the response, so no constant answer scores
+better than the most frequent sum (`best_constant_accuracy`), and a learned policy
+must beat that bar, not just raise its mean. Full marks need the answer to stop too:
+the number and then EOS (`finished`), nothing else; a right number that runs on
+("7se7se") scores half. Without that the trained model never learns to stop, and
+its greedy output is a right digit followed by noise up to max_new_tokens.
 """
 
 from __future__ import annotations
@@ -46,9 +49,18 @@ def first_integer(text: str) -> str | None:
     return match.group(0) if match else None
 
 
-def score(prompt: str, response: str, ground_truth: str, **_: object) -> float:
-    """1.0 when the response's first integer equals the sum, else 0.0."""
-    return 1.0 if first_integer(response) == ground_truth.strip() else 0.0
+def score(prompt: str, response: str, ground_truth: str, finished: bool | None = None, **_: object) -> float:
+    """1.0 for exactly the sum then EOS; 0.5 for a right first integer that does not stop there; else 0.0.
+
+    `finished` (the response ended with EOS) comes from `RuleReward`; a caller that cannot
+    tell (None) gets the first-integer score alone.
+    """
+    answer = first_integer(response)
+    if answer is None or answer != ground_truth.strip():
+        return 0.0
+    if finished is None:
+        return 1.0
+    return 1.0 if finished and response.strip() == answer else 0.5
 
 
 def best_constant_accuracy(max_operand: int) -> float:
