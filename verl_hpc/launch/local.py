@@ -46,6 +46,7 @@ from pathlib import Path
 import psutil
 
 from verl_hpc.config.placement import ProcessPlan
+from verl_hpc.launch.relay import LogRelay, announce
 from verl_hpc.runtime.env import free_port
 from verl_hpc.utils.logging import get_logger
 
@@ -211,13 +212,14 @@ class LocalLauncher:
 
     def __init__(self, plan: ProcessPlan, run_dir: Path, command: list[str], env: dict[str, str] | None = None,
                  master_port: int | None = None, grace_seconds: float = 10.0, poll_interval: float = 0.2,
-                 timeout_seconds: float | None = None):
+                 timeout_seconds: float | None = None, relay: bool = True):
         if not command:
             raise ValueError("command must not be empty")
         self.plan, self.run_dir, self.command = plan, Path(run_dir), list(command)
         self.env, self.master_port = env, master_port
         self.grace_seconds, self.poll_interval = grace_seconds, poll_interval
         self.timeout_seconds = timeout_seconds
+        self.relay = LogRelay() if relay else None  # progress + start-up lines on our stderr (relay.py)
         self._workers: list[_Worker] = []
         self._received: int | None = None
         self._signal_count = 0
@@ -235,6 +237,8 @@ class LocalLauncher:
         """Spawn, supervise and tear down the world; see the class docstring for results."""
         self._workers, self._received, self._signal_count = [], None, 0
         previous = self._install_handlers()
+        if self.relay is not None:
+            self.relay = LogRelay(self.relay.stream)  # this attempt's files and offsets only
         try:
             self._spawn_all()
             return self._supervise()
@@ -243,6 +247,8 @@ class LocalLauncher:
                 self._terminate_all()
             finally:
                 self._restore_handlers(previous)
+                if self.relay is not None:
+                    self.relay.pump(final=True)
 
     def _on_signal(self, signum: int, _frame: object) -> None:
         """Only record: the supervise loop forwards it; a second signal skips the grace period."""
@@ -272,6 +278,8 @@ class LocalLauncher:
             self._workers.append(self._spawn(rank, env))
         log.info("launched %d processes (master port %d), logs in %s",
                  len(self._workers), port, self.run_dir / "logs")
+        if self.relay is not None:
+            announce(self.relay, self._workers)
 
     def _spawn(self, rank: int, env: dict[str, str]) -> _Worker:
         """Append mode with a header line: retries share the file, the first attempt's text stays."""
@@ -292,6 +300,8 @@ class LocalLauncher:
     def _supervise(self) -> int:
         deadline = None if self.timeout_seconds is None else time.monotonic() + self.timeout_seconds
         while True:
+            if self.relay is not None:
+                self.relay.pump()
             if self._received is not None:
                 log.warning("received %s: stopping all workers", signal.Signals(self._received).name)
                 self._terminate_all()
