@@ -10,6 +10,7 @@ import torch
 from tests.test_runtime_embedded import quick_dict
 from verl_hpc.metrics import read_jsonl_metrics
 from verl_hpc.roles.allocator import INJECT_ENV, OutOfMemoryAtFloor, ResourceAllocator, parse_injection
+from verl_hpc.runtime.run_dir import ALLOW_ENV
 
 VOLATILE = ("timing_s/", "perf/", "memory/", "resource/")
 
@@ -113,6 +114,7 @@ def test_learned_micro_batch_survives_a_restart_on_the_same_resources(
     HybridTrainer(config=data, run_dir=tmp_path / "run").train()
     monkeypatch.delenv(INJECT_ENV)  # after the restart 32 rows would fit: only the checkpoint says 16
     data["trainer"]["total_steps"] = 4
+    monkeypatch.setenv(ALLOW_ENV, "1")  # a longer run of the same training: an accepted config change
     HybridTrainer(config=data, run_dir=tmp_path / "run").train()
     rows = read_jsonl_metrics(tmp_path / "run" / "tensorboard" / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3, 4]

@@ -66,16 +66,16 @@ def test_reward_model_scores_rollouts(tmp_path: Path, tiny_model_dir: Path) -> N
 
 
 def test_run_dir_is_never_overwritten(tmp_path: Path, tiny_model_dir: Path) -> None:
-    """A finished run resumes (nothing left to do, nothing rewritten); without resume it is refused."""
+    """A finished run is refused (nothing left to do, nothing rewritten), with or without resume."""
     data = quick_dict(tiny_model_dir, steps=1)
     HybridTrainer(config=data, run_dir=tmp_path / "run").train()
     before = (tmp_path / "run" / "tensorboard" / "metrics.jsonl").read_text()
-    result = HybridTrainer(config=data, run_dir=tmp_path / "run").train()  # resume: already at the end
-    assert result.steps == 1
+    with pytest.raises(ConfigError, match="run_dir"):
+        HybridTrainer(config=data, run_dir=tmp_path / "run").train()
     assert (tmp_path / "run" / "tensorboard" / "metrics.jsonl").read_text() == before
     never = {**data, "checkpoint": {"resume": "never"}}
     with pytest.raises(ConfigError, match="run_dir"):
-        HybridTrainer(config=never, run_dir=tmp_path / "run")
+        HybridTrainer(config=never, run_dir=tmp_path / "run").train()
     assert (tmp_path / "run" / "tensorboard" / "metrics.jsonl").read_text() == before
     assert (tmp_path / "run").stat().st_mode & 0o777 == 0o700
 
@@ -159,21 +159,24 @@ def test_progress_prints_plain_lines_off_a_terminal() -> None:
     assert len(lines) == 3 and lines[-1].startswith("[train] step 3/3") and "score/mean=0.5" in lines[-1]
 
 
-def test_a_stop_signal_during_the_last_step_finishes_the_run(tmp_path: Path, tiny_model_dir: Path) -> None:
+def test_a_stop_signal_during_the_last_step_finishes_the_run(tmp_path: Path, tiny_model_dir: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """Nothing is left to resume, so the run completes (HF export included) instead of asking for a restart."""
     import os
     import signal
 
-    trainer = HybridTrainer(config=quick_dict(tiny_model_dir, steps=2), run_dir=tmp_path / "run")
-    inner = trainer.train_step
+    from verl_hpc.runtime.loop import RLTrainer
 
-    def step_then_signal(*args, **kwargs):
-        out = inner(*args, **kwargs)
-        if trainer.step == 2:
+    trainer = HybridTrainer(config=quick_dict(tiny_model_dir, steps=2), run_dir=tmp_path / "run")
+    inner = RLTrainer.train_step
+
+    def step_then_signal(self, *args, **kwargs):
+        out = inner(self, *args, **kwargs)
+        if self.step == 2:
             os.kill(os.getpid(), signal.SIGUSR1)  # what Slurm sends ahead of the time limit
         return out
 
-    trainer.train_step = step_then_signal
+    monkeypatch.setattr(RLTrainer, "train_step", step_then_signal)
     result = trainer.train()
     assert result.stopped_by is None and result.steps == 2
     assert result.hf_model_dir is not None and (result.hf_model_dir / "config.json").is_file()

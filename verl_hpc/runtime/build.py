@@ -165,9 +165,10 @@ def build_roles(cfg: RunConfig, run_dir: Path, spec: BuildSpec, actor_model: Any
         roles.reward = build_reward(cfg, tokenizer, spec.device, reward_model)
     trainer = cfg.trainer
     roles.allocator = ResourceAllocator(spec.device, trainer.min_micro_batch_size, trainer.oom_retry)
-    if roles.actor is not None:  # training retries only on a lone trainer: an FSDP peer would hang waiting
-        roles.actor.allocator = ResourceAllocator(spec.device, trainer.min_micro_batch_size,
-                                                  trainer.oom_retry and spec.fsdp_group is None)
+    if roles.actor is not None and spec.fsdp_group is None:
+        roles.actor.allocator = roles.allocator  # a lone trainer: one allocator, logged and checkpointed
+    elif roles.actor is not None:  # training retries only on a lone trainer: an FSDP peer would hang waiting
+        roles.actor.allocator = ResourceAllocator(spec.device, trainer.min_micro_batch_size, False)
     return roles
 
 
