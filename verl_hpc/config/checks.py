@@ -87,10 +87,38 @@ def _check_batches(cfg: RunConfig) -> None:
     if mini % micro:
         raise FieldError("algorithm.micro_batch_size", f"the mini-batch ({mini} sequences) is not divisible "
                          f"by {micro}", "use a divisor of algorithm.mini_batch_size")
-    actor_procs = cfg.resources.actor.world_size
-    if micro % actor_procs and mini % actor_procs:
-        raise FieldError("resources.actor.device_ids", f"{actor_procs} actor processes cannot split a "
-                         f"mini-batch of {mini} sequences evenly", "use a process count that divides it")
+    _check_layout(cfg, mini)
+
+
+def _check_layout(cfg: RunConfig, mini: int) -> None:
+    """Every trainer rank holds the same share of every mini-batch (data/layout.py), and whole
+    prompt groups when the estimator needs them; an FSDP group's ranks take equal slices."""
+    algo, res, n = cfg.algorithm, cfg.resources, cfg.algorithm.sampling.n
+    actor_procs = res.actor.world_size
+    field = "algorithm.mini_batch_size" if algo.mini_batch_size else "trainer.batch_size"
+    if mini % actor_procs:
+        raise FieldError(field, f"{actor_procs} actor processes cannot split a "
+                         f"mini-batch of {mini} sequences evenly", f"use a multiple of {actor_procs}")
+    per_rank = mini // actor_procs
+    if algo.estimator.whole_groups and per_rank % n:
+        raise FieldError(field, f"each of the {actor_procs} actor processes takes {per_rank} "
+                         f"sequences of every mini-batch, which splits the {algo.estimator.name} groups of "
+                         f"sampling.n={n}", f"use a multiple of {actor_procs * n}")
+    micro = algo.micro_batch_size
+    if micro is not None and micro < per_rank and per_rank % micro:
+        raise FieldError("algorithm.micro_batch_size", f"each actor process's {per_rank} sequences of a mini-batch "
+                         f"do not split into micro-batches of {micro}", f"use a divisor of {per_rank}")
+    ref = res.ref
+    if algo.needs_ref and ref is not None and ref.device_ids != res.actor.device_ids and ref.strategy == "fsdp" \
+            and cfg.trainer.batch_size % ref.world_size:
+        raise FieldError("resources.ref.device_ids", f"{ref.world_size} FSDP reference processes cannot split a "
+                         f"batch of {cfg.trainer.batch_size} sequences evenly", "use a process count that divides it")
+    critic = res.critic
+    if algo.needs_critic and critic is not None and critic.device_ids != res.actor.device_ids:
+        raise FieldError("resources.critic.device_ids", "a critic on processes of its own is not supported yet "
+                         "(its optimizer state would have to join the trainers' checkpoint)",
+                         f"give the critic the actor's device_ids {res.actor.device_ids}: it then trains on the "
+                         "trainer ranks, sharded like the actor")
 
 
 def _check_model(cfg: RunConfig) -> None:
