@@ -69,7 +69,8 @@ def test_resume_on_another_number_of_actor_processes(tmp_path: Path, tiny_model_
     resharded = tmp_path / "resharded"
     _train(resharded, tiny_model_dir, "trainer.total_steps=4")
     proc = _train(resharded, tiny_model_dir, "trainer.total_steps=5", f"resources.actor.device_ids={actor_ids}",
-                  "resources.rollout.device_ids=[4]", "resources.reward.device_ids=[5]")
+                  "resources.rollout.device_ids=[4]", "resources.reward.device_ids=[5]",
+                  "--allow-config-change")  # more steps is a change of the run's config; resources are not
     assert proc.returncode == 0
     expected = read_jsonl_metrics(whole / "tensorboard" / "metrics.jsonl")[4]
     got = read_jsonl_metrics(resharded / "tensorboard" / "metrics.jsonl")[4]

@@ -83,14 +83,15 @@ def test_damaged_newest_checkpoint_is_skipped_and_the_one_before_used(tmp_path: 
     run_dir = tmp_path / "run"
     assert train(run_dir, tiny_model_dir, "trainer.total_steps=6", "checkpoint.interval_steps=2").returncode == 0
     _damage(run_dir / "checkpoints" / "step_00000006" / "__0_0.distcp", "bitflip")
-    proc = train(run_dir, tiny_model_dir, "trainer.total_steps=8", "checkpoint.interval_steps=2")
+    proc = train(run_dir, tiny_model_dir, "trainer.total_steps=8", "checkpoint.interval_steps=2",
+                 "--allow-config-change")  # more steps than the run was started with
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "step_00000006: file __0_0.distcp does not match its sha256 (corrupted)" in proc.stderr
     log = (run_dir / "logs" / "trainer_rank0.log").read_text()
     assert "resumed from " + str(run_dir / "checkpoints" / "step_00000004") in log
 
     _damage(run_dir / "checkpoints" / "step_00000008" / "__0_0.distcp", "truncate")
-    proc = train(run_dir, tiny_model_dir, *STEPS)
+    proc = train(run_dir, tiny_model_dir, *STEPS, "--allow-config-change")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "step_00000008: file __0_0.distcp has" in proc.stderr
     log = (run_dir / "logs" / "trainer_rank0.log").read_text()
