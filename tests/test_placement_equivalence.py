@@ -33,6 +33,9 @@ PLACEMENTS: dict[str, dict[str, Any]] = {
     "split, ref on its own": {"actor": {"device_ids": [0, 1], "strategy": "fsdp"}, "rollout": {"device_ids": [2]},
                               "ref": {"device_ids": [3], "strategy": "fsdp"}, "placement": "split"},
 }
+CRITIC_AND_REF_GROUPS = {"actor": {"device_ids": [0, 1], "strategy": "fsdp"}, "rollout": {"device_ids": [2]},
+                         "critic": {"device_ids": [3, 4], "strategy": "fsdp"},
+                         "ref": {"device_ids": [5], "strategy": "fsdp"}, "placement": "split"}
 REWARD_GROUP = {"actor": {"device_ids": [0, 1], "strategy": "fsdp"}, "rollout": {"device_ids": [2]},
                 "reward": {"device_ids": [3], "strategy": "hf"}, "placement": "split"}
 
@@ -130,7 +133,8 @@ def test_ppo_agrees_on_every_placement(tmp_path: Path, tiny_model_dir: Path, in_
     # into ~6e-5 in the weights (every per-step metric still agreed). At 1e-4 the ratios stay
     # inside the clip range, so the comparison measures the placements, not that discontinuity.
     data["trainer"]["actor_optim"] = {"lr": 1e-4}
-    replay_everywhere(tmp_path, data, COMMON_KEYS + PPO_KEYS, PLACEMENTS)
+    replay_everywhere(tmp_path, data, COMMON_KEYS + PPO_KEYS,
+                      {**PLACEMENTS, "split, critic and ref on their own": CRITIC_AND_REF_GROUPS})
     metrics = rows(tmp_path / "one_process")
     assert "actor/pg_loss" not in metrics[0] and "actor/pg_loss" in metrics[2]  # warm-up: the critic alone
     if in_reward:  # the penalty sits in the rewards, not in the loss, and it moves them

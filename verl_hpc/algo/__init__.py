@@ -6,6 +6,7 @@ host syncs beyond what ``torch.unique`` needs), so it can be unit-tested on CPU 
 unchanged by any trainer or worker.
 """
 
+from verl_hpc.algo import estimators as _builtin  # noqa: E402,F401 - registers grpo, gae, vanilla
 from verl_hpc.algo.advantages import gae_advantages, grpo_advantages, token_level_rewards
 from verl_hpc.algo.losses import (
     AGG_MODES,
@@ -28,7 +29,6 @@ from verl_hpc.algo.registry import (
     register_estimator,
     register_policy_loss,
 )
-from verl_hpc.algo import estimators as _builtin  # noqa: E402,F401 - registers grpo, gae, vanilla
 
 __all__ = [
     "AGG_MODES",

@@ -114,11 +114,10 @@ def _check_layout(cfg: RunConfig, mini: int) -> None:
         raise FieldError("resources.ref.device_ids", f"{ref.world_size} FSDP reference processes cannot split a "
                          f"batch of {cfg.trainer.batch_size} sequences evenly", "use a process count that divides it")
     critic = res.critic
-    if algo.needs_critic and critic is not None and critic.device_ids != res.actor.device_ids:
-        raise FieldError("resources.critic.device_ids", "a critic on processes of its own is not supported yet "
-                         "(its optimizer state would have to join the trainers' checkpoint)",
-                         f"give the critic the actor's device_ids {res.actor.device_ids}: it then trains on the "
-                         "trainer ranks, sharded like the actor")
+    if algo.needs_critic and critic is not None and critic.device_ids != res.actor.device_ids \
+            and mini % critic.world_size:
+        raise FieldError("resources.critic.device_ids", f"{critic.world_size} critic processes cannot split a "
+                         f"mini-batch of {mini} sequences evenly", f"use a process count that divides {mini}")
 
 
 def _check_model(cfg: RunConfig) -> None:

@@ -47,10 +47,12 @@ class DataConfig(StrictModel):
     max_prompt_length: int = Field(64, ge=1)
     shuffle: bool = True
     # Every trainer rank writes the rows it trained on to <run_dir>/rollouts/ (Arrow IPC) ...
-    record_rollouts: bool = False
+    record_rollouts: bool = Field(False, description="write each trainer rank's trained rows to "
+                                  "`<run_dir>/rollouts/` (Arrow IPC), for `replay_rollouts`")
     # ... and a run with replay_rollouts: <that dir> trains on those responses instead of
     # sampling: the way to check that two placements compute the same numbers.
-    replay_rollouts: str | None = None
+    replay_rollouts: str | None = Field(None, description="a `rollouts/` directory recorded by another run: "
+                                        "train on its responses instead of sampling (placement checks)")
 
 
 class RewardConfig(StrictModel):
@@ -95,8 +97,9 @@ class AlgorithmConfig(StrictModel):
     """`name` is a preset; `adv_estimator` and `policy_loss` name registered parts (verl_hpc.algo)."""
 
     name: Literal["grpo", "ppo"] = "grpo"
-    adv_estimator: str | None = Field(None, description="registered estimator; default from name")
-    policy_loss: str = "vanilla"
+    adv_estimator: str | None = Field(None, description="registered advantage estimator (`grpo`, `gae`, or one a "
+                                      "plugin registers); unset = the preset's (`grpo` -> grpo, `ppo` -> gae)")
+    policy_loss: str = Field("vanilla", description="registered policy loss; `vanilla` = the clipped PPO surrogate")
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     kl: KLConfig = Field(default_factory=KLConfig)
     clip_ratio_low: float = Field(0.2, gt=0.0)
@@ -197,7 +200,8 @@ class RunConfig(StrictModel):
     every process, so estimators or losses registered there are known everywhere.
     """
 
-    plugins: list[str] = Field(default_factory=list)
+    plugins: list[str] = Field(default_factory=list, description="modules (`pkg.mod`) or files (`path/x.py`) "
+                               "imported first in every process: register estimators/losses there")
     model: ModelConfig
     data: DataConfig = Field(default_factory=DataConfig)
     reward: RewardConfig

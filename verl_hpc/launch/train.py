@@ -62,7 +62,10 @@ def train(cfg: RunConfig, run_dir: str | Path | None = None, *, actor_model: Any
           reward_model: Any = None) -> TrainResult:
     """Run `cfg` here: in this process when its plan has one process (objects pass through as
     they are), else as one worker process per slot of the plan (only the config reaches them)."""
+    from verl_hpc.config.machine import check_machine
+
     check_local(cfg)
+    check_machine(cfg)  # devices, NCCL, the vLLM build: before the run directory exists
     if not needs_launcher(cfg):
         from verl_hpc.runtime.embedded import train_in_process
 

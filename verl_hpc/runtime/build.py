@@ -114,16 +114,16 @@ def tokenize_prompts(tokenizer, prompts: list[str], max_len: int) -> list[list[i
 
 def build_reward(cfg: RunConfig, tokenizer, device: torch.device, override: Any = None) -> RuleReward | ModelReward:
     """The rule function or reward model (`override`: the facade's `reward_model=` object)."""
-    on_error = getattr(cfg.reward, "on_error", "fail")
+    on_error = cfg.reward.on_error
     if override is not None:
         if callable(override):
             return RuleReward(override, tokenizer, on_error=on_error)
         if isinstance(override, str) and ":" in override and not os.path.isdir(override):
             return RuleReward(resolve_function(override, "reward_model"), tokenizer, on_error=on_error)
-        return ModelReward(str(override), device)
+        return ModelReward(str(override), device, on_error=on_error)
     if cfg.reward.function is not None:
         return RuleReward(resolve_function(cfg.reward.function, "reward.function"), tokenizer, on_error=on_error)
-    return ModelReward(str(expand_path(cfg.reward.model_path or "")), device)
+    return ModelReward(str(expand_path(cfg.reward.model_path or "")), device, on_error=on_error)
 
 
 def load_causal_lm(path: str, dtype: torch.dtype) -> torch.nn.Module:

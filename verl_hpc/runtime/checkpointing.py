@@ -123,9 +123,10 @@ class RunCheckpointer:
         due = due or bool(ck.interval_steps and step % ck.interval_steps == 0)
         due = due or bool(ck.interval_minutes and time.monotonic() - self.last_save >= 60 * ck.interval_minutes)
         if self.group is not None and dist.get_world_size(self.group) > 1:
-            flag = torch.tensor([int(due)])
-            dist.broadcast(flag, src=dist.get_global_rank(self.group, 0), group=self.group)
-            due = bool(flag.item())
+            # `requested` rides along: it decides a blocking save, which every rank must agree on.
+            flags = torch.tensor([int(due), int(self.requested)])
+            dist.broadcast(flags, src=dist.get_global_rank(self.group, 0), group=self.group)
+            due, self.requested = bool(flags[0].item()), bool(flags[1].item())
         return due
 
     def save(self, step: int, states: dict[str, Any], tensor_states: dict[str, ModelState],
@@ -138,7 +139,7 @@ class RunCheckpointer:
                 run[name] = obj.state_dict() if obj is not None else None
         meta = {"world_sizes": self.world_sizes, "model_dir": str(expand_path(self.cfg.model.path)),
                 "config_hash": run_state.config_hash((self.run_dir / "config.yaml").read_text()),
-                "policy_version": run["policy_version"], "format_version": FORMAT_VERSION}
+                "policy_version": run.get("policy_version"), "format_version": FORMAT_VERSION}
         start = time.perf_counter()
         tensors = {name: state.state_dict() for name, state in tensor_states.items()}
         path = self.manager.save(step, tensors, meta,

@@ -71,6 +71,10 @@ class DistContext:
     timeout_seconds: float
     # Per non-trainer group: every trainer rank + that group's ranks (remote role exchanges).
     exchange_groups: dict[str, ProcessGroup] = field(default_factory=dict)
+    # With a critic group of its own: gloo over trainer + critic ranks, for the checkpoint both
+    # write (and a second one for its async finish); None when the trainers hold every state.
+    state_group: ProcessGroup | None = None
+    state_async_group: ProcessGroup | None = None
     # gloo over the trainer ranks, for async checkpoint writes (never the training group:
     # DCP's async finish on a group that training also uses deadlocks).
     checkpoint_group: ProcessGroup | None = None
@@ -263,7 +267,14 @@ def _build_groups(env: JobEnvironment, plan: ProcessPlan, backend: str, timeout:
         if env.rank in ranks:
             exchange_groups[spec.name] = pg
     ckpt = dist.new_group(ranks=trainer_ranks, timeout=timeout, backend="gloo")
+    state_groups: list[ProcessGroup | None] = [None, None]
+    if any(spec.name == "critic" for spec in plan.groups):
+        state_ranks = [*trainer_ranks, *plan.group_ranks("critic")]
+        state_groups = [dist.new_group(ranks=state_ranks, timeout=timeout, backend="gloo") for _ in range(2)]
+        if env.rank not in state_ranks:
+            state_groups = [None, None]
     return DistContext(env=env, plan=plan, group=mine, rank_in_group=rank_in_group, groups=groups,
                        checkpoint_group=ckpt if env.rank in trainer_ranks else None,
                        control_group=control, sync_groups=sync_groups, timeout_seconds=timeout_seconds,
-                       exchange_groups=exchange_groups)
+                       exchange_groups=exchange_groups, state_group=state_groups[0],
+                       state_async_group=state_groups[1])

@@ -53,17 +53,21 @@ class RunLifecycle:
 
     # --- state ------------------------------------------------------------------------------
     def states(self) -> dict[str, Any]:
+        """The run state this process holds (a critic group's ranks hold only the critic's)."""
         roles = self.placement.roles
         actor, critic = roles.actor, roles.critic
-        states: dict[str, Any] = {"trainer": self.trainer, "sampler": self.trainer.sampler,
-                                  "actor_scheduler": actor.scheduler, "actor_allocator": actor.allocator,
-                                  "critic_scheduler": critic.scheduler if critic is not None else None}
+        states: dict[str, Any] = {"trainer": self.trainer, "sampler": self.trainer.sampler}
+        if actor is not None:
+            states.update(actor_scheduler=actor.scheduler, actor_allocator=actor.allocator)
+        states["critic_scheduler"] = critic.scheduler if critic is not None else None
         states.update(self.placement.extra_states())
         return states
 
     def tensor_states(self) -> dict[str, ModelState]:
         roles = self.placement.roles
-        tensors = {"actor": ModelState(roles.actor)}
+        tensors = {}
+        if roles.actor is not None:
+            tensors["actor"] = ModelState(roles.actor)
         if roles.critic is not None:
             tensors["critic"] = ModelState(roles.critic)
         return tensors
@@ -125,7 +129,7 @@ class RunLifecycle:
                 signum, resizing = p.agree(self.stop)
                 if self.checkpointer is not None and (signum or resizing):
                     self.checkpointer.requested = True
-                self.maybe_save(metrics)
+            self.maybe_save(metrics)  # trainer ranks, and a critic group's ranks that share the checkpoint
             if p.is_leader:
                 self.log_step(metrics, logger, progress)
                 outcome.metrics = metrics

@@ -123,10 +123,12 @@ def run_worker(cfg, ctx: DistContext, run_dir: Path, stop: StopFlag):  # -> Outc
         sampler = PromptSampler(len(placement.roles.dataset), cfg.trainer.batch_size // cfg.algorithm.sampling.n,
                                 cfg.trainer.seed, cfg.data.shuffle)
         checkpointer = None
-        if ctx.is_role("actor"):
-            manager = build_manager(cfg, run_dir, process_group=ctx.process_group, async_group=ctx.checkpoint_group)
+        if ctx.is_role("actor") or ctx.group.name == "critic":  # a critic group writes its part too
+            group = ctx.state_group or ctx.process_group
+            manager = build_manager(cfg, run_dir, process_group=group,
+                                    async_group=ctx.state_async_group or ctx.checkpoint_group)
             checkpointer = RunCheckpointer(cfg, run_dir, manager, {g.name: g.size for g in ctx.plan.groups},
-                                           placement.is_leader, ctx.process_group)
+                                           placement.is_leader, group)
         trainer = RLTrainer(cfg, placement, sampler, on_stage=heartbeat.enter)
         ctx.barrier("start")
         return RunLifecycle(cfg, run_dir, trainer, checkpointer, stop).run()

@@ -12,7 +12,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-
 from verl_hpc.data.rollout_batch import RolloutBatch
 from verl_hpc.roles.rollout.base import Generation
 

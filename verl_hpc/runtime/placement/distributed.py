@@ -19,7 +19,14 @@ from verl_hpc.data.rollout_batch import RolloutBatch
 from verl_hpc.runtime import resize
 from verl_hpc.runtime.build import DTYPES, Roles, load_causal_lm
 from verl_hpc.runtime.dist import DistContext
-from verl_hpc.runtime.heartbeat import PULSE_SECONDS, STALE_PULSES, Heartbeat, StallError, is_peer_lost, is_timeout
+from verl_hpc.runtime.heartbeat import (
+    PULSE_SECONDS,
+    STALE_PULSES,
+    Heartbeat,
+    StallError,
+    is_peer_lost,
+    is_timeout,
+)
 from verl_hpc.runtime.placement.base import Placement, Timer
 from verl_hpc.runtime.placement.remote import RoleClient, RoleService
 from verl_hpc.runtime.signals import StopFlag
@@ -65,6 +72,20 @@ class DistributedPlacement(Placement):
         if "ref" in self.clients:
             return self.clients["ref"].call_tokens(batch, inputs["response_mask"])
         return super().ref_logprobs(batch, inputs)
+
+    def values(self, batch: RolloutBatch, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        if "critic" in self.clients:
+            return self.clients["critic"].call_tokens(batch, inputs["response_mask"])
+        return super().values(batch, inputs)
+
+    def update_critic(self, batch: RolloutBatch, inputs: dict[str, torch.Tensor]) -> dict[str, float]:
+        if "critic" in self.clients:
+            return self.clients["critic"].update(batch, inputs)
+        return super().update_critic(batch, inputs)
+
+    def extra_states(self) -> dict[str, Any]:
+        """A critic group's LR schedule rides in run_state.json through the trainer leader."""
+        return {"critic_scheduler": self.clients["critic"]} if "critic" in self.clients else {}
 
     def serve(self, step: int, indices: list[int], timer: Timer) -> bool:
         if self.service is None:

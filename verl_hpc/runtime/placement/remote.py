@@ -6,7 +6,8 @@ Rows travel as Arrow record batches (the data plane's format); each serving rank
 even slice of the step's rows in row order, computes, and answers per row position, so
 the numbers do not depend on how many trainer or serving ranks there are.
 
-One exchange per step and role, in the loop's order (reward, then ref): a serving rank
+One exchange per step and role, in the loop's order (reward, ref, critic values, critic
+update): a serving rank
 knows what comes next from the config. A trainer-side `stop()` sends "stop" instead of
 rows, and the serving ranks leave their loop.
 """
@@ -19,8 +20,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from verl_hpc.data.layout import even_slices, row_position
+from verl_hpc.data.layout import even_slices, rank_rows, row_position
 from verl_hpc.data.rollout_batch import RolloutBatch
+from verl_hpc.roles.actor import UpdatePlan
 from verl_hpc.roles.forward import batched_logprobs, to_device
 
 if TYPE_CHECKING:
@@ -45,6 +47,14 @@ class RoleClient:
 
     def __init__(self, role: str, group: dist.ProcessGroup, placement: DistributedPlacement):
         self.role, self.group, self.placement = role, group, placement
+        self.scheduler_state: dict[str, Any] | None = None  # critic: its LR schedule, for run_state.json
+
+    def state_dict(self) -> dict[str, Any] | None:
+        return self.scheduler_state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """The critic ranks restore their own schedule from the shared run state."""
+        self.scheduler_state = state
 
     def call(self, batch: RolloutBatch) -> list[Any] | None:
         """Per-row results for this rank's rows, in their order."""
@@ -65,6 +75,15 @@ class RoleClient:
             out[i, :len(values)] = torch.from_numpy(np.asarray(values, dtype=np.float32))
         return out
 
+    def update(self, batch: RolloutBatch, inputs: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Critic: the rows' returns and old values to the critic group, which trains; its metrics back."""
+        rows = batch.with_columns(returns=inputs["returns"], values=inputs["values"])
+        _exchange(self.group, rows.to_ipc())
+        answers = _exchange(self.group, None)
+        answer = next(a for a in answers if isinstance(a, dict) and "metrics" in a)
+        self.scheduler_state = answer["scheduler"]
+        return answer["metrics"]
+
     def stop(self) -> None:
         try:
             _exchange(self.group, STOP)
@@ -81,28 +100,59 @@ class RoleService:
         self.role, self.group, self.placement = role, group, placement
 
     def serve_step(self, step: int) -> bool:
+        """This role's exchanges of one step (the critic: values, then its update); False on stop."""
         p = self.placement
-        p.heartbeat.enter(f"step {step} {self.role}")
-        parts = _exchange(self.group, None)
-        if any(part == STOP for part in parts):
-            return False
-        batches = [RolloutBatch.from_ipc(part) for part in parts if part]
-        full = RolloutBatch.concat(batches).sorted_by_row()
-        start, end = even_slices(len(full), dist.get_world_size(self.group) - p.world, p.ctx.rank_in_group)
+        for kind in ("values", "update") if self.role == "critic" else (self.role,):
+            p.heartbeat.enter(f"step {step} {self.role} {kind}")
+            parts = _exchange(self.group, None)
+            if any(part == STOP for part in parts):
+                return False
+            full = RolloutBatch.concat([RolloutBatch.from_ipc(part) for part in parts if part]).sorted_by_row()
+            _exchange(self.group, self.update(full) if kind == "update" else self.per_row(full))
+        return True
+
+    def serving_ranks(self) -> int:
+        return dist.get_world_size(self.group) - self.placement.world
+
+    def per_row(self, full: RolloutBatch) -> dict[int, Any]:
+        """An even slice of the step's rows, computed here, answered by row position."""
+        p = self.placement
+        start, end = even_slices(len(full), self.serving_ranks(), p.ctx.rank_in_group)
         mine = full.take(list(range(start, end)))
         results = self.compute(mine) if len(mine) else []
-        positions = _positions(mine, p.cfg.algorithm.sampling.n)
-        _exchange(self.group, dict(zip(positions, results, strict=True)))
-        return True
+        return dict(zip(_positions(mine, p.cfg.algorithm.sampling.n), results, strict=True))
 
     def compute(self, batch: RolloutBatch) -> list[Any]:
         p = self.placement
-        roles = p.roles
+        roles, algo = p.roles, p.cfg.algorithm
         if self.role == "reward":
             return roles.reward.score(batch).tolist()  # type: ignore[union-attr]
         inputs = to_device(batch.model_inputs(roles.pad_id), roles.device)
-        micro = p.cfg.algorithm.micro_batch_size or len(batch)
-        logprobs = batched_logprobs(roles.ref_model, inputs, p.cfg.algorithm.sampling.temperature, micro)
+        micro = algo.micro_batch_size or len(batch)
+        if self.role == "critic":
+            out = roles.critic.compute_values(inputs, micro)  # type: ignore[union-attr]
+        else:
+            out = batched_logprobs(roles.ref_model, inputs, algo.sampling.temperature, micro)
         lengths = batch.response_lengths()
-        values = logprobs.float().cpu().numpy()
+        values = out.float().cpu().numpy()
         return [values[i, :lengths[i]].tolist() for i in range(len(batch))]
+
+    def update(self, full: RolloutBatch) -> dict[str, Any] | None:
+        """The critic group trains on its rows of every mini-batch (data/layout.py), like any trainer."""
+        p = self.placement
+        cfg, ctx, roles = p.cfg, p.ctx, p.roles
+        world, batch_size = self.serving_ranks(), cfg.trainer.batch_size
+        mine = full.take(rank_rows(batch_size, cfg.algorithm.mini_batch_size or batch_size, world, ctx.rank_in_group))
+        inputs = to_device(mine.model_inputs(roles.pad_id), roles.device)
+        width = inputs["response_mask"].shape[1]
+        for key in ("returns", "values"):
+            inputs[key] = mine.token_tensor(key, width).to(roles.device)
+        metrics = roles.critic.update(inputs, UpdatePlan.from_config(cfg.algorithm, batch_size, world))  # type: ignore[union-attr]
+        if world > 1:
+            keys = sorted(metrics)
+            values = torch.tensor([metrics[k] for k in keys], dtype=torch.float64)
+            dist.all_reduce(values, group=ctx.process_group)
+            metrics = {k: float(v) / world for k, v in zip(keys, values, strict=True)}
+        if ctx.rank_in_group != 0:
+            return None
+        return {"metrics": metrics, "scheduler": roles.critic.scheduler.state_dict()}  # type: ignore[union-attr]

@@ -150,7 +150,7 @@ class Split(DistributedPlacement):
 
     # --- checkpointed rollouts (max_staleness > 0) --------------------------------------------------
     def extra_states(self) -> dict[str, Any]:
-        return {"buffered_steps": _BufferedSteps(self)}
+        return {**super().extra_states(), "buffered_steps": _BufferedSteps(self)}
 
     def extra_files(self, step: int) -> dict[str, bytes] | None:
         """Leader: the rollouts already generated for the next steps (sampled from weights that are gone)."""
