@@ -34,6 +34,24 @@ def test_placement_trains_and_learns(placement: str, tmp_path: Path, tiny_model_
     assert (run_dir / "secrets" / "flight_token").stat().st_mode & 0o777 == 0o600
 
 
+def test_ppo_with_every_role_on_its_own_devices_learns(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """The seeds' central promise: FSDP actor on A, FSDP critic on B, rollout on C, reward on D."""
+    from tests.conftest import run_cli
+
+    run_dir = tmp_path / "run"
+    proc = run_cli("train", "configs/ppo_roles_apart.yaml", "--run-dir", str(run_dir),
+                   f"model.path={tiny_model_dir}", "logging.progress=off")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert {p.name for p in (run_dir / "logs").glob("env_*.json")} == {
+        "env_trainer_rank0.json", "env_critic_rank1.json", "env_rollout_rank2.json", "env_reward_rank3.json"}
+    series = scalars(run_dir)
+    first, last = window_means(series["critic/score/mean"])
+    assert last > first + 0.3, (first, last)
+    assert window_means(series["critic/vf_loss"])[1] < series["critic/vf_loss"][0]  # the critic group learns
+    final = run_dir / "checkpoints" / "step_00000300"
+    assert {p.name for p in final.glob("__*.distcp")} >= {"__0_0.distcp", "__1_0.distcp"}  # actor's and critic's
+
+
 def _workers(launcher: psutil.Process) -> dict[int, psutil.Process]:
     found = {}
     for child in launcher.children(recursive=True):

@@ -47,17 +47,17 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return init_model(tmp_path_factory.mktemp("requeue") / "tiny", preset="tiny", seed=0)
 
 
-def reference(tmp: Path, model: Path, steps: int) -> list[dict]:
+def reference(tmp: Path, model: Path, steps: int, config: str = "configs/slurm_local.yaml") -> list[dict]:
     """The same config, uninterrupted, through the local launcher."""
     run_dir = tmp / f"reference{steps}"
-    done = cli("train", "configs/slurm_local.yaml", "--run-dir", str(run_dir), f"model.path={model}",
+    done = cli("train", config, "--run-dir", str(run_dir), f"model.path={model}",
                f"trainer.total_steps={steps}", "checkpoint.interval_steps=10", "logging.progress=off")
     assert done.returncode == 0, done.stderr[-3000:]
     return stable(run_dir)
 
 
-def submit(run_dir: Path, model: Path, *overrides: str) -> int:
-    done = cli("submit", "configs/slurm_local.yaml", "--run-dir", str(run_dir), f"model.path={model}",
+def submit(run_dir: Path, model: Path, *overrides: str, config: str = "configs/slurm_local.yaml") -> int:
+    done = cli("submit", config, "--run-dir", str(run_dir), f"model.path={model}",
                "checkpoint.interval_steps=10", "logging.progress=off", *overrides)
     assert done.returncode == 0, done.stderr
     return int(next(line.split()[-1] for line in done.stdout.splitlines() if line.startswith("submitted job")))
@@ -104,6 +104,26 @@ def test_scontrol_requeue_mid_run_resumes_exactly(slurm_cluster: SlurmCluster, m
     assert {r["JobState"] for r in records} == {"COMPLETED"}, records
     assert int(records[0]["Restarts"]) >= 1
     assert stable(run_dir) == expected
+
+
+def test_ppo_with_every_role_apart_is_a_four_component_hetjob_that_survives_a_requeue(
+        slurm_cluster: SlurmCluster, model: Path, tmp_path: Path) -> None:
+    """The seeds' promise under Slurm: FSDP actor, FSDP critic, rollout and reward each a component."""
+    config = "configs/slurm_ppo_roles_apart.yaml"
+    script = cli("sbatch", config, f"model.path={model}")
+    assert script.returncode == 0, script.stderr
+    assert [line.strip() for line in script.stdout.splitlines()].count("#SBATCH hetjob") == 3  # four components
+    expected = reference(tmp_path, model, 40, config)
+    run_dir = tmp_path / "roles_apart"
+    job = submit(run_dir, model, "trainer.total_steps=40", config=config)
+    assert slurm_cluster.wait_for(lambda: steps_done(run_dir) >= 12, timeout=300)
+    slurm_cluster.run("scontrol", "requeue", str(job))  # SIGTERM to every task of every component
+    records = finish(slurm_cluster, job)
+    assert {r["JobState"] for r in records} == {"COMPLETED"}, records
+    assert len(records) == 4 and int(records[0]["Restarts"]) >= 1
+    assert stable(run_dir) == expected  # the critic's shards came back from the same checkpoint
+    assert {f.name for f in (run_dir / "logs").glob("env_*_rank*.json")} == {
+        "env_trainer_rank0.json", "env_critic_rank1.json", "env_rollout_rank2.json", "env_reward_rank3.json"}
 
 
 def test_time_limit_signal_requeues_until_done(slurm_cluster: SlurmCluster, model: Path, tmp_path: Path) -> None:
