@@ -227,9 +227,25 @@ def test_describe_is_readable() -> None:
 
 def test_example_script_runs() -> None:
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-    result = subprocess.run([sys.executable, "examples/seed_dataflow.py"], cwd=REPO, env=env,
+    result = subprocess.run([sys.executable, "examples/seed_dataflow.py", "--dry-run"], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "placement: split" in result.stdout
     assert "actor and rollout identical to the shipped config's: True" in result.stdout
     assert "process groups: trainer x2, rollout x1, reward x2" in result.stdout
+
+
+@pytest.mark.slow
+def test_example_runs_with_a_plain_python_and_trains(tmp_path: Path) -> None:
+    """Not only the venv's python: a bare python3 re-runs it in ./.venv; then the placed graph trains."""
+    import shutil
+
+    plain = shutil.which("python3", path="/usr/local/bin:/usr/bin:/bin") or "/usr/bin/python3"
+    env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
+    env["TOKENIZERS_PARALLELISM"] = "false"
+    result = subprocess.run([plain, str(REPO / "examples" / "seed_dataflow.py"), "--steps", "2",
+                             "--run-dir", str(tmp_path / "run")], cwd=tmp_path, env=env, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"trained the seed graph for 2 steps in {tmp_path / 'run'}" in result.stdout
+    assert (tmp_path / "run" / "hf_model" / "config.json").is_file()
