@@ -25,7 +25,8 @@ BENCHMARKS = {"checkpoint": "bench.checkpoint", "transport": "bench.transport",
               "scaling": "bench.scaling", "placement": "bench.placement",
               "placement_gpu": "bench.placement_gpu", "preemption": "bench.preemption"}
 # Not in `all`: it needs the local Slurm cluster and minutes of its time (`preemption --slurm`).
-OPT_IN = {"preemption_slurm": "bench.preemption_slurm"}
+OPT_IN = {"preemption_slurm": "bench.preemption_slurm",
+          "versions": "bench.versions"}  # also not in `all`: a git worktree of another revision, minutes
 RESULTS = Path(__file__).resolve().parent / "results"
 
 

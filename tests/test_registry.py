@@ -90,3 +90,12 @@ def test_a_plugin_estimator_runs_end_to_end(tmp_path: Path, tiny_model_dir: Path
     assert [r["step"] for r in rows] == [1, 2]
     assert all(r["critic/advantages/mean"] == 1.0 for r in rows)  # the plugin's advantages were trained on
     assert "test_constant" in (result.run_dir / "config.yaml").read_text()
+
+
+def test_every_builtin_part_has_a_docs_row() -> None:
+    from verl_hpc.algo import POLICY_LOSSES
+
+    text = (REPO / "docs" / "algorithms.md").read_text()
+    builtin = [name for name, spec in ESTIMATORS.items() if spec.compute.__module__.startswith("verl_hpc.")]
+    for name in [*builtin, *POLICY_LOSSES]:
+        assert f"| `{name}` |" in text, f"docs/algorithms.md has no row for {name}"
