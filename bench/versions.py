@@ -60,7 +60,7 @@ def run(quick: bool = False, scratch: str | None = None) -> dict[str, Any]:
         subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(base)], check=False)
         shutil.rmtree(work, ignore_errors=True)
     ratios = {}
-    for name, (measure, higher_is_better) in MEASURES.items():
+    for name, (_measure, higher_is_better) in MEASURES.items():
         pairs = zip(rows[name]["new"], rows[name]["base"], strict=True)
         # > 1 means the new tree is better: faster step (lower vs floor) or more throughput (higher)
         gains = [n / b if higher_is_better else b / n for n, b in pairs]
