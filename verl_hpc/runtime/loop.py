@@ -64,6 +64,7 @@ class RLTrainer:
             batch = p.rollouts(self.step, indices, self.policy_version, timer)
             if batch is None:
                 return None
+            lag = self.policy_version - min(batch.column("policy_version").to_pylist())
             inputs = to_device(batch.model_inputs(p.roles.pad_id), p.roles.device)
             self.forward_passes(batch, inputs, timer)
             with timer("adv"):
@@ -81,7 +82,8 @@ class RLTrainer:
                 sync_bytes = p.sync_weights(self.policy_version, changed=update_actor)
         batch = batch.with_columns(**{k: inputs[k] for k in UPDATE_COLUMNS if k in inputs})
         p.record(self.step, batch)
-        return self.step_metrics(batch, p.mean_metrics(train_metrics), timer, sync_bytes)
+        metrics = self.step_metrics(batch, p.mean_metrics(train_metrics), timer, sync_bytes)
+        return {**metrics, "rollout/policy_lag": float(lag)} if metrics else metrics
 
     def forward_passes(self, batch: RolloutBatch, inputs: dict[str, torch.Tensor], timer: Timer) -> None:
         """Reference and old logprobs, critic values: what the estimator and losses will read."""
@@ -134,7 +136,6 @@ class RLTrainer:
                    "actor/policy_version": float(self.policy_version)}
         if sync_bytes or p.last_sync_bytes:
             metrics.update(sync_metrics(sync_bytes, timer.seconds.get("timing_s/update_weights", 0.0)))
-        metrics.update(p.extra_metrics(whole, self.policy_version))
         reward = p.roles.reward
         if reward is not None and hasattr(reward, "metrics"):
             metrics.update(reward.metrics())

@@ -154,9 +154,6 @@ class Placement:
         """Every trainer rank's rows on the leader (metrics), None elsewhere."""
         return batch
 
-    def extra_metrics(self, whole: RolloutBatch, policy_version: int) -> dict[str, float]:
-        return {}
-
     def record(self, step: int, batch: RolloutBatch) -> None:
         if self.cfg.data.record_rollouts:
             write_record(self.run_dir, step, self.rank, batch)

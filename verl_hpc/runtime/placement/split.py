@@ -120,10 +120,7 @@ class Split(DistributedPlacement):
         if lag > self.cfg.algorithm.max_staleness:
             raise RuntimeError(f"step {step}: a rollout is {lag} policy versions old, above "
                                f"algorithm.max_staleness={self.cfg.algorithm.max_staleness}")
-        self.last_lag = lag
 
-    def extra_metrics(self, whole: RolloutBatch, policy_version: int) -> dict[str, float]:
-        return {"rollout/policy_lag": float(getattr(self, "last_lag", 0))}
 
     def sync_weights(self, version: int, changed: bool) -> int:
         """Every step (the rollout ranks expect it), until the rollout has generated its last batch."""
