@@ -38,13 +38,13 @@ __all__ = [
     "value_loss",
 ]
 
-AGG_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+AGG_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 KL_KINDS: tuple[str, ...] = ("k1", "k2", "k3")
 _LOG_RATIO_LIMIT = 20.0
 _K3_LIMIT = 10.0
 
 
-def aggregate_loss(loss_mat: Tensor, mask: Tensor, mode: str) -> Tensor:
+def aggregate_loss(loss_mat: Tensor, mask: Tensor, mode: str, norm_length: float | None = None) -> Tensor:
     """Reduce a ``[B, R]`` per-token loss to a scalar over the valid tokens.
 
     Modes:
@@ -53,9 +53,16 @@ def aggregate_loss(loss_mat: Tensor, mask: Tensor, mode: str) -> Tensor:
         over sequences.
         ``seq-mean-token-sum``: sum over the valid tokens of each sequence, then mean over
         sequences.
+        ``seq-mean-token-sum-norm`` (Dr. GRPO, arXiv:2503.20783): sum over the valid tokens of
+        each sequence divided by the constant ``norm_length`` (the response length cap,
+        ``algorithm.sampling.max_new_tokens``), then mean over *all* sequences. The divisor
+        is the same for every sequence and every step, so no response is up- or
+        down-weighted by its length, and because every row counts, a micro-batch's share
+        of the mean is exactly its share of the rows (``roles.actor.micro_weight``).
 
-    For the ``seq-mean-*`` modes, sequences without any valid token are left out of the
-    outer mean, so an empty row does not dilute the loss. An all-masked input gives 0.
+    For ``seq-mean-token-mean`` and ``seq-mean-token-sum``, sequences without any valid
+    token are left out of the outer mean, so an empty row does not dilute the loss. An
+    all-masked input gives 0.
     """
     if mode not in AGG_MODES:
         raise ValueError(f"unknown agg_mode {mode!r}; valid modes are {', '.join(AGG_MODES)}")
@@ -63,6 +70,10 @@ def aggregate_loss(loss_mat: Tensor, mask: Tensor, mode: str) -> Tensor:
         raise ValueError("loss_mat and mask must both be [B, R]")
     if mode == "token-mean":
         return masked_mean(loss_mat, mask)
+    if mode == "seq-mean-token-sum-norm":
+        if norm_length is None or norm_length <= 0:
+            raise ValueError("seq-mean-token-sum-norm needs norm_length > 0 (the max response length)")
+        return masked_sum(loss_mat, mask, dim=-1).mean() / norm_length
     if mode == "seq-mean-token-mean":
         per_seq = masked_mean(loss_mat, mask, dim=-1)
     else:
@@ -84,8 +95,9 @@ def policy_loss(
     clip_low: float = 0.2,
     clip_high: float = 0.2,
     agg_mode: str = "token-mean",
+    norm_length: float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """PPO clipped surrogate loss.
+    """PPO clipped surrogate loss (``norm_length``: see `aggregate_loss`).
 
     Per token: ``max(-A * r, -A * clip(r, 1 - clip_low, 1 + clip_high))`` with
     ``r = exp(logprobs - old_logprobs)``, aggregated with ``agg_mode``.
@@ -100,7 +112,7 @@ def policy_loss(
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
     per_token = torch.maximum(unclipped, clipped)
-    loss = aggregate_loss(per_token, mask, agg_mode)
+    loss = aggregate_loss(per_token, mask, agg_mode, norm_length)
     with torch.no_grad():
         clip_active = (clipped > unclipped).to(per_token.dtype)
         stats = {
@@ -166,6 +178,7 @@ def value_loss(
     mask: Tensor,
     clip_range: float | None,
     agg_mode: str = "token-mean",
+    norm_length: float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Critic regression loss ``0.5 * (values - returns)^2``, optionally clipped.
 
@@ -186,6 +199,6 @@ def value_loss(
         clipped_sq = (values_clipped - returns).square()
         per_token = 0.5 * torch.maximum(unclipped_sq, clipped_sq)
         clip_active = (clipped_sq > unclipped_sq).to(unclipped_sq.dtype)
-    loss = aggregate_loss(per_token, mask, agg_mode)
+    loss = aggregate_loss(per_token, mask, agg_mode, norm_length)
     stats = {"vf_clipfrac": masked_mean(clip_active.detach(), mask).detach()}
     return loss, stats

@@ -53,7 +53,12 @@ class UpdatePlan:
 
 
 def micro_weight(mask: torch.Tensor, total_tokens: torch.Tensor, total_rows: int, agg_mode: str) -> float:
-    """A micro-batch's share of its mini-batch, so accumulated gradients equal one big batch."""
+    """A micro-batch's share of its mini-batch, so accumulated gradients equal one big batch.
+
+    Every seq-* mode is a mean over the mini-batch's rows, so the share is the row share
+    (exact for `seq-mean-token-sum-norm`, whose constant divisor and all-row mean make a
+    micro-batch's loss a plain sum over its own rows).
+    """
     if agg_mode == "token-mean":
         return float(mask.sum() / total_tokens)
     return mask.shape[0] / total_rows
@@ -81,6 +86,9 @@ class Actor(OptimizedModel):
         self.dp_group = dp_group
         self.algo = algo
         self.allocator = ResourceAllocator()  # the trainer sets device and floor (trainer.min_micro_batch_size)
+        # With one pass (no separate old-logprob pass), the forward's own logprobs of the sampled
+        # tokens, [B, R] in row order: what the rollout-vs-trainer check compares with the engine's.
+        self.sampled_logprobs: torch.Tensor | None = None
 
     def compute_logprobs(self, inputs: dict[str, torch.Tensor], micro_batch_size: int) -> torch.Tensor:
         return batched_logprobs(self.model, inputs, self.algo.sampling.temperature, micro_batch_size)
@@ -89,6 +97,7 @@ class Actor(OptimizedModel):
         """PPO epochs over this rank's mini-batches; metrics are this rank's share (see `_optimizer_step`)."""
         batch_size = inputs["input_ids"].shape[0]
         reuse_forward = plan.single_pass(batch_size) and "old_logprobs" not in inputs
+        self.sampled_logprobs = None
         totals: dict[str, float] = {}
         count = 0
         self.model.train()
@@ -118,12 +127,14 @@ class Actor(OptimizedModel):
         total_rows = mini["response_mask"].shape[0]
         dp_scale = data_parallel_scale(mini["response_mask"], algo.loss_agg_mode, self.dp_group)
         sums = {"pg_loss": 0.0, "entropy": 0.0, "kl_loss": 0.0, "pg_clipfrac": 0.0, "ppo_kl": 0.0}
+        seen: list[torch.Tensor] = []
         for micro in micro_batches(mini, micro_size):
             mask = micro["response_mask"]
             weight = micro_weight(mask, total_tokens, total_rows, algo.loss_agg_mode) * dp_scale
             logprobs, entropy = response_logprobs(self.model, micro, algo.sampling.temperature,
                                                   with_entropy=True)
             old = logprobs.detach() if reuse_forward else micro["old_logprobs"]
+            seen.append(old)
             pg, pg_stats = loss_fn(logprobs, old, micro["advantages"], mask, algo)
             loss = pg
             ent = masked_mean(entropy, mask)
@@ -132,13 +143,15 @@ class Actor(OptimizedModel):
             kl_value = torch.zeros(())
             if "ref_logprobs" in micro and not algo.kl.in_reward:
                 kl_mat = kl_penalty(logprobs, micro["ref_logprobs"], algo.kl.estimator)
-                kl_value = aggregate_loss(kl_mat, mask, algo.loss_agg_mode)
+                kl_value = aggregate_loss(kl_mat, mask, algo.loss_agg_mode, algo.sampling.max_new_tokens)
                 loss = loss + algo.kl.coef * kl_value
             (loss * weight).backward()
             for key, value in (("pg_loss", pg), ("entropy", ent), ("kl_loss", kl_value),
                                ("pg_clipfrac", pg_stats["clipfrac"]), ("ppo_kl", pg_stats["approx_kl"])):
                 sums[key] += float(value.detach()) * weight
         grad_norm = self.clip_and_step()
+        if reuse_forward:
+            self.sampled_logprobs = torch.cat(seen, dim=0)
         return {**sums, "grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0]}
 
     def old_logprobs_needed(self, plan: UpdatePlan, batch_size: int) -> bool:

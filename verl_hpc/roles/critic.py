@@ -85,7 +85,7 @@ class Critic(OptimizedModel):
             weight = micro_weight(mask, total_tokens, mini["response_mask"].shape[0], self.algo.loss_agg_mode)
             values = self.model(micro)
             loss, stats = value_loss(values, micro["values"], micro["returns"], mask, self.algo.value_clip,
-                                     self.algo.loss_agg_mode)
+                                     self.algo.loss_agg_mode, self.algo.sampling.max_new_tokens)
             (loss * weight * dp_scale).backward()
             sums["vf_loss"] += float(loss.detach()) * weight * dp_scale
             sums["vf_clipfrac"] += float(stats["vf_clipfrac"]) * weight * dp_scale

@@ -15,4 +15,4 @@ def vanilla(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Te
             algo: Any) -> tuple[Tensor, dict[str, Tensor]]:
     """Token ratio clipped to [1 - clip_ratio_low, 1 + clip_ratio_high]."""
     return policy_loss(logprobs, old_logprobs, advantages, mask, algo.clip_ratio_low, algo.clip_ratio_high,
-                       algo.loss_agg_mode)
+                       algo.loss_agg_mode, algo.sampling.max_new_tokens)
