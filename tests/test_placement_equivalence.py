@@ -97,6 +97,8 @@ def assert_same_numbers(reference: Path, other: Path, keys: tuple[str, ...], lab
                 assert key in a and key in b, f"{label}: step {a['step']} {key} missing on one side"
                 assert abs(a[key] - b[key]) <= TOLERANCE * max(1.0, abs(a[key])), \
                     f"{label}: step {a['step']} {key}: {a[key]} vs {b[key]}"
+    # The engine's probabilities of its samples are the trainer's (replayed: the recorded run's).
+    assert all(r["training/rollout_probs_diff_max"] < 1e-4 for r in other_rows), label
     ref_w, other_w = final_weights(reference), final_weights(other)
     assert ref_w.keys() == other_w.keys()
     worst = max(float((ref_w[k] - other_w[k]).abs().max()) for k in ref_w)

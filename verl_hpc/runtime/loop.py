@@ -78,6 +78,7 @@ class RLTrainer:
                 with timer("update_actor"):
                     train_metrics.update(prefixed("actor", p.roles.actor.update(inputs, p.plan())))
                 self.policy_version += 1
+            train_metrics.update(self.rollout_probs_diff(batch, inputs))
             with timer("update_weights"):
                 sync_bytes = p.sync_weights(self.policy_version, changed=update_actor)
         batch = batch.with_columns(**{k: inputs[k] for k in UPDATE_COLUMNS if k in inputs})
@@ -100,6 +101,27 @@ class RLTrainer:
         if algo.needs_critic:
             with timer("values"):
                 inputs["values"] = p.values(batch, inputs)
+
+    def rollout_probs_diff(self, batch: RolloutBatch, inputs: dict[str, torch.Tensor]) -> dict[str, float]:
+        """|p_engine - p_trainer| of the sampled tokens (verl's `training/rollout_probs_diff_*`).
+
+        Why every step: an engine that silently stops following the weight updates (a stale
+        tied LM head after a reload, say) still produces plausible text; its probabilities of
+        its own samples drift from the trainer's, and this shows it at once. The trainer side
+        is the old-logprob pass when one ran, else the update's own first forward.
+        """
+        actor = self.placement.roles.actor
+        trainer = inputs.get("old_logprobs", actor.sampled_logprobs)  # type: ignore[union-attr]
+        if trainer is None or not batch.has("rollout_logprobs"):
+            return {}
+        mask = inputs["response_mask"]
+        engine = batch.token_tensor("rollout_logprobs", mask.shape[1]).to(mask.device)
+        diff = (engine.exp() - trainer.float().exp()).abs() * mask
+        p = self.placement
+        total = p.reduce_sum(torch.stack([diff.sum(), mask.sum()]).double().cpu())
+        largest = p.reduce_max(diff.max().reshape(1).double().cpu())
+        return {"training/rollout_probs_diff_mean": float(total[0] / total[1].clamp(min=1)),
+                "training/rollout_probs_diff_max": float(largest[0])}
 
     def add_advantages(self, batch: RolloutBatch, inputs: dict[str, torch.Tensor]) -> None:
         algo, mask = self.cfg.algorithm, inputs["response_mask"]

@@ -147,6 +147,9 @@ class Placement:
     def reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
 
+    def reduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
     def mean_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
         return metrics
 

@@ -104,6 +104,13 @@ class DistributedPlacement(Placement):
         dist.all_reduce(out, group=self.ctx.process_group)
         return out
 
+    def reduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.world == 1:
+            return tensor
+        out = tensor.detach().clone()
+        dist.all_reduce(out, op=dist.ReduceOp.MAX, group=self.ctx.process_group)
+        return out
+
     def mean_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
         """Each rank's metrics are its pre-scaled share (roles/actor.py): a plain mean is the global value."""
         if self.world == 1 or not metrics:
