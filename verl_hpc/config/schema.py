@@ -8,11 +8,12 @@ live in `RunConfig`'s validator so every entry point (CLI, Python API, Slurm) ge
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from verl_hpc.config.base import StrictModel
+from verl_hpc.config.presets import PRESETS, expand_preset
 from verl_hpc.config.resources import ResourceConfig
 
 
@@ -42,9 +43,22 @@ class DataConfig(StrictModel):
 
     train_files: list[str] = Field(default_factory=list)
     task: TaskConfig | None = None
-    prompt_key: str = "prompt"
-    answer_key: str = "ground_truth"
-    max_prompt_length: int = Field(64, ge=1)
+    prompt_key: str = Field("prompt", description="the prompt column: text, or chat messages (a list of "
+                            "`{role, content}`) rendered with the tokenizer's chat template; `messages` is used "
+                            "when `prompt` is absent")
+    answer_key: str | None = Field(None, description="the ground-truth column, a dotted path into a struct "
+                                   "allowed (`reward_model.ground_truth`); unset = `ground_truth`, else verl's "
+                                   "`reward_model.ground_truth`, when the file has it")
+    reward_fn_key: str = Field("data_source", description="the column handed to the reward as `data_source` "
+                               "(verl's key); a file without it gives None")
+    extra_info_key: str = Field("extra_info", description="the column handed to the reward as `extra_info` "
+                                "(any shape; decoded back from JSON)")
+    max_prompt_length: int = Field(64, ge=1, description="prompt tokens, chat template included")
+    truncation: Literal["error", "left", "right"] = Field(
+        "error", description="a prompt over max_prompt_length: stop naming the row (verl's default), or "
+        "keep its last (`left`) or first (`right`) tokens")
+    filter_overlong_prompts: bool = Field(False, description="drop prompts over max_prompt_length "
+                                          "before training (verl's key)")
     shuffle: bool = True
     # Every trainer rank writes the rows it trained on to <run_dir>/rollouts/ (Arrow IPC) ...
     record_rollouts: bool = Field(False, description="write each trainer rank's trained rows to "
@@ -55,20 +69,48 @@ class DataConfig(StrictModel):
                                         "train on its responses instead of sampling (placement checks)")
 
 
+class CustomRewardFunction(StrictModel):
+    """verl's `custom_reward_function`: a Python file and the function in it."""
+
+    path: str = Field(description="a .py file (relative to the working directory)")
+    name: str = Field("compute_score", description="the function's name in that file")
+    reward_kwargs: dict[str, Any] = Field(default_factory=dict, description="extra keyword arguments "
+                                          "for every call (verl's key)")
+
+
 class RewardConfig(StrictModel):
-    """Either a rule-based `module:function` or a sequence-classification reward model."""
+    """A rule-based function (ours or verl's `compute_score`) or a sequence-classification reward model."""
 
     function: str | None = None
+    custom_reward_function: CustomRewardFunction | None = Field(None, description="verl's form of a rule "
+                                                                "reward: `{path, name}`")
     model_path: str | None = None
     # A score that is not a finite number, or a function that raises: stop the run (fail),
     # score it 0 (zero), or give it its group's mean (skip); counted in reward/errors.
     on_error: Literal["fail", "zero", "skip"] = "fail"
+    num_workers: int = Field(1, ge=1, description="processes that run a rule reward in parallel (slow "
+                             "Python: math checks, code execution); 1 = in the scoring process")
+    timeout_seconds: float = Field(60.0, gt=0.0, description="with num_workers > 1: a call running longer "
+                                   "is killed, scores 0 and counts in `reward/timeouts`")
 
     @model_validator(mode="after")
     def _one_source(self) -> RewardConfig:
-        if (self.function is None) == (self.model_path is None):
-            raise ValueError("set exactly one of reward.function (module:function) or reward.model_path")
+        given = [self.function, self.custom_reward_function, self.model_path]
+        if sum(v is not None for v in given) != 1:
+            raise ValueError("set exactly one of reward.function (module:function), "
+                             "reward.custom_reward_function ({path, name}) or reward.model_path")
         return self
+
+    @property
+    def function_spec(self) -> str | None:
+        """The rule function as `module:function` or `file.py:function`; None for a reward model."""
+        if self.custom_reward_function is not None:
+            return f"{self.custom_reward_function.path}:{self.custom_reward_function.name}"
+        return self.function
+
+    @property
+    def function_field(self) -> str:
+        return "reward.custom_reward_function" if self.custom_reward_function is not None else "reward.function"
 
 
 class SamplingConfig(StrictModel):
@@ -90,16 +132,22 @@ class KLConfig(StrictModel):
     in_reward: bool = False
 
 
-PRESET_ESTIMATORS = {"grpo": "grpo", "ppo": "gae"}  # what `algorithm.name` expands to
+PRESET_ESTIMATORS = {name: preset["adv_estimator"] for name, preset in PRESETS.items()}  # algorithm.name -> estimator
+LOSS_AGG_MODES = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 
 
 class AlgorithmConfig(StrictModel):
-    """`name` is a preset; `adv_estimator` and `policy_loss` name registered parts (verl_hpc.algo)."""
+    """`name` is a preset (config/presets.py) that fills the fields left unset; `adv_estimator` and
+    `policy_loss` name registered parts (verl_hpc.algo)."""
 
-    name: Literal["grpo", "ppo"] = "grpo"
-    adv_estimator: str | None = Field(None, description="registered advantage estimator (`grpo`, `gae`, or one a "
-                                      "plugin registers); unset = the preset's (`grpo` -> grpo, `ppo` -> gae)")
-    policy_loss: str = Field("vanilla", description="registered policy loss; `vanilla` = the clipped PPO surrogate")
+    name: Literal["grpo", "ppo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo"] = Field(
+        "grpo", description="preset: fills the building blocks left unset with its paper's defaults "
+        "(docs/algorithms.md); `config show` prints the expansion")
+    adv_estimator: str | None = Field(None, description="registered advantage estimator (`grpo`, `gae`, `rloo`, "
+                                      "`reinforce_pp`, `reinforce_pp_baseline`, or one a plugin registers); "
+                                      "unset = the preset's")
+    policy_loss: str = Field("vanilla", description="registered policy loss; `vanilla` = the clipped PPO "
+                             "surrogate, `gspo` = one clipped ratio per sequence")
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     kl: KLConfig = Field(default_factory=KLConfig)
     clip_ratio_low: float = Field(0.2, gt=0.0)
@@ -108,13 +156,21 @@ class AlgorithmConfig(StrictModel):
     value_clip: float | None = Field(0.2, gt=0.0)
     gamma: float = Field(1.0, ge=0.0, le=1.0)
     lam: float = Field(0.95, ge=0.0, le=1.0)
-    norm_adv_by_std: bool = True
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
+    norm_adv_by_std: bool = Field(True, description="GRPO: divide advantages by the group's std; false = "
+                                  "subtract the mean only (Dr. GRPO)")
+    loss_agg_mode: LOSS_AGG_MODES = Field(
+        "token-mean", description="how token losses reduce: mean over all tokens; or per sequence the mean, the "
+        "sum, or the sum / `sampling.max_new_tokens` (`-norm`, Dr. GRPO), then mean over sequences")
     ppo_epochs: int = Field(1, ge=1)
     mini_batch_size: int | None = Field(None, ge=1, description="sequences per optimizer step")
     micro_batch_size: int | None = Field(None, ge=1, description="sequences per forward pass")
     critic_warmup_steps: int = Field(0, ge=0)
     max_staleness: int = Field(0, ge=0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fill_from_preset(cls, data: object) -> object:
+        return expand_preset(data)
 
     @model_validator(mode="after")
     def _expand_preset(self) -> AlgorithmConfig:
