@@ -147,24 +147,60 @@ def _check_data(cfg: RunConfig) -> None:
     for i, name in enumerate(data.train_files):
         field = f"data.train_files[{i}]"
         path = expand_path(name)
-        if path.suffix not in DATA_SUFFIXES:
-            raise FieldError(field, f"{name} has an unsupported suffix", f"use one of {', '.join(DATA_SUFFIXES)}")
-        if not path.is_file() or not os.access(path, os.R_OK):
-            raise FieldError(field, f"{name} does not exist or is not readable", "check the path and permissions")
-        from verl_hpc.data.prompts import read_schema
+        from verl_hpc.data.prompts import is_dataset_dir, read_schema
 
+        if not is_dataset_dir(path):
+            if path.suffix not in DATA_SUFFIXES:
+                raise FieldError(field, f"{name} has an unsupported suffix",
+                                 f"use one of {', '.join(DATA_SUFFIXES)}, or a Hugging Face dataset directory")
+            if not path.is_file() or not os.access(path, os.R_OK):
+                raise FieldError(field, f"{name} does not exist or is not readable", "check the path and permissions")
         try:
             schema = read_schema(path)
         except Exception as err:  # noqa: BLE001 - any parse failure is the user's file
-            raise FieldError(field, f"{name} cannot be read as {path.suffix[1:]}: {err}",
+            raise FieldError(field, f"{name} cannot be read as {path.suffix[1:] or 'a dataset'}: {err}",
                              "check the file's format") from None
-        if data.prompt_key not in schema.names:
-            raise FieldError("data.prompt_key", f"column {data.prompt_key!r} not in {name} (has {schema.names})",
-                             "set data.prompt_key to the prompt column")
-        kind = schema.field(data.prompt_key).type
-        if str(kind) not in ("string", "large_string"):  # else the tokenizer fails deep inside the job
-            raise FieldError("data.prompt_key", f"column {data.prompt_key!r} of {name} holds {kind}, not text",
-                             "store the prompts as strings, or point data.prompt_key at the text column")
+        _check_keys(cfg, name, schema)
+
+
+def _check_keys(cfg: RunConfig, name: str, schema) -> None:  # schema: pa.Schema
+    """Every key the config names resolves to a column (or struct field) of the file, of a usable type."""
+    from verl_hpc.data.prompts import answer_key_for, prompt_key_for
+    from verl_hpc.data.records import is_prompt_type, key_type
+
+    data = cfg.data
+    prompt_key = prompt_key_for(schema, data.prompt_key)
+    kind = key_type(schema, prompt_key)
+    if kind is None:
+        raise FieldError("data.prompt_key", f"column {data.prompt_key!r} not in {name} (has {schema.names})",
+                         "set data.prompt_key to the prompt column")
+    if not is_prompt_type(kind):  # else the tokenizer fails deep inside the job
+        raise FieldError("data.prompt_key", f"column {prompt_key!r} of {name} holds {kind}, not text or chat "
+                         "messages", "store the prompts as strings or {role, content} lists, or point "
+                         "data.prompt_key at the prompt column")
+    explicit = data.model_fields_set
+    for key_field, key in (("answer_key", data.answer_key), ("reward_fn_key", data.reward_fn_key),
+                           ("extra_info_key", data.extra_info_key)):
+        if key_field in explicit and key is not None and key_type(schema, key) is None:
+            raise FieldError(f"data.{key_field}", f"{key!r} names no column of {name} (has "
+                             f"{_paths(schema)})", "name a column, or a struct field as column.field")
+    if cfg.reward.function_spec is not None and data.task is None and answer_key_for(schema, data.answer_key) \
+            is None:
+        raise FieldError("data.answer_key", f"{name} has no ground-truth column (looked for ground_truth and "
+                         f"reward_model.ground_truth; has {_paths(schema)})",
+                         "set data.answer_key to the answer column (a dotted path for a struct field)")
+
+
+def _paths(schema) -> str:
+    """Columns and their struct fields as dotted paths, for a hint that shows what exists."""
+    import pyarrow as pa
+
+    out: list[str] = []
+    for field in schema:
+        out.append(field.name)
+        if pa.types.is_struct(field.type):
+            out.extend(f"{field.name}.{sub.name}" for sub in field.type)
+    return ", ".join(out[:16]) + (", ..." if len(out) > 16 else "")
 
 
 def _check_reward(cfg: RunConfig) -> None:
@@ -174,7 +210,7 @@ def _check_reward(cfg: RunConfig) -> None:
             raise FieldError("reward.model_path", f"{reward.model_path} is not a model directory",
                              "point it at a sequence-classification Hugging Face directory")
         return
-    resolve_function(reward.function or "", "reward.function")
+    resolve_function(reward.function_spec or "", reward.function_field)
 
 
 def resolve_function(spec: str, field: str):  # -> Callable
@@ -192,8 +228,10 @@ def resolve_function(spec: str, field: str):  # -> Callable
                          f"functions there: {', '.join(sorted(names)[:8]) or 'none'}")
     params = inspect.signature(func).parameters
     takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in params.values())
-    if not takes_kwargs and not {"response", "ground_truth"} <= set(params):
-        raise FieldError(field, f"{spec} must accept (prompt, response, ground_truth) keyword arguments",
+    verl = {"data_source", "solution_str", "ground_truth"} <= set(params)  # verl's compute_score
+    if not takes_kwargs and not verl and not {"response", "ground_truth"} <= set(params):
+        raise FieldError(field, f"{spec} must accept (prompt, response, ground_truth) keyword arguments, or "
+                         "verl's (data_source, solution_str, ground_truth, extra_info=None)",
                          "define it as def score(prompt, response, ground_truth, **kwargs) -> float")
     return func
 

@@ -8,7 +8,7 @@ live in `RunConfig`'s validator so every entry point (CLI, Python API, Slurm) ge
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -43,9 +43,22 @@ class DataConfig(StrictModel):
 
     train_files: list[str] = Field(default_factory=list)
     task: TaskConfig | None = None
-    prompt_key: str = "prompt"
-    answer_key: str = "ground_truth"
-    max_prompt_length: int = Field(64, ge=1)
+    prompt_key: str = Field("prompt", description="the prompt column: text, or chat messages (a list of "
+                            "`{role, content}`) rendered with the tokenizer's chat template; `messages` is used "
+                            "when `prompt` is absent")
+    answer_key: str | None = Field(None, description="the ground-truth column, a dotted path into a struct "
+                                   "allowed (`reward_model.ground_truth`); unset = `ground_truth`, else verl's "
+                                   "`reward_model.ground_truth`, when the file has it")
+    reward_fn_key: str = Field("data_source", description="the column handed to the reward as `data_source` "
+                               "(verl's key); a file without it gives None")
+    extra_info_key: str = Field("extra_info", description="the column handed to the reward as `extra_info` "
+                                "(any shape; decoded back from JSON)")
+    max_prompt_length: int = Field(64, ge=1, description="prompt tokens, chat template included")
+    truncation: Literal["error", "left", "right"] = Field(
+        "error", description="a prompt over max_prompt_length: stop naming the row (verl's default), or "
+        "keep its last (`left`) or first (`right`) tokens")
+    filter_overlong_prompts: bool = Field(False, description="drop prompts over max_prompt_length "
+                                          "before training (verl's key)")
     shuffle: bool = True
     # Every trainer rank writes the rows it trained on to <run_dir>/rollouts/ (Arrow IPC) ...
     record_rollouts: bool = Field(False, description="write each trainer rank's trained rows to "
@@ -56,20 +69,48 @@ class DataConfig(StrictModel):
                                         "train on its responses instead of sampling (placement checks)")
 
 
+class CustomRewardFunction(StrictModel):
+    """verl's `custom_reward_function`: a Python file and the function in it."""
+
+    path: str = Field(description="a .py file (relative to the working directory)")
+    name: str = Field("compute_score", description="the function's name in that file")
+    reward_kwargs: dict[str, Any] = Field(default_factory=dict, description="extra keyword arguments "
+                                          "for every call (verl's key)")
+
+
 class RewardConfig(StrictModel):
-    """Either a rule-based `module:function` or a sequence-classification reward model."""
+    """A rule-based function (ours or verl's `compute_score`) or a sequence-classification reward model."""
 
     function: str | None = None
+    custom_reward_function: CustomRewardFunction | None = Field(None, description="verl's form of a rule "
+                                                                "reward: `{path, name}`")
     model_path: str | None = None
     # A score that is not a finite number, or a function that raises: stop the run (fail),
     # score it 0 (zero), or give it its group's mean (skip); counted in reward/errors.
     on_error: Literal["fail", "zero", "skip"] = "fail"
+    num_workers: int = Field(1, ge=1, description="processes that run a rule reward in parallel (slow "
+                             "Python: math checks, code execution); 1 = in the scoring process")
+    timeout_seconds: float = Field(60.0, gt=0.0, description="with num_workers > 1: a call running longer "
+                                   "is killed, scores 0 and counts in `reward/timeouts`")
 
     @model_validator(mode="after")
     def _one_source(self) -> RewardConfig:
-        if (self.function is None) == (self.model_path is None):
-            raise ValueError("set exactly one of reward.function (module:function) or reward.model_path")
+        given = [self.function, self.custom_reward_function, self.model_path]
+        if sum(v is not None for v in given) != 1:
+            raise ValueError("set exactly one of reward.function (module:function), "
+                             "reward.custom_reward_function ({path, name}) or reward.model_path")
         return self
+
+    @property
+    def function_spec(self) -> str | None:
+        """The rule function as `module:function` or `file.py:function`; None for a reward model."""
+        if self.custom_reward_function is not None:
+            return f"{self.custom_reward_function.path}:{self.custom_reward_function.name}"
+        return self.function
+
+    @property
+    def function_field(self) -> str:
+        return "reward.custom_reward_function" if self.custom_reward_function is not None else "reward.function"
 
 
 class SamplingConfig(StrictModel):

@@ -7,15 +7,60 @@ would have drawn (torchtitan-style `state_dict`/`load_state_dict`).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
+from verl_hpc.data.records import (
+    MISSING,
+    RowError,
+    answer_text,
+    check_prompt,
+    info_text,
+    key_type,
+    key_values,
+)
+
+
+def _dataset_dir_files(path: Path) -> list[Path]:
+    """The Arrow files of a Hugging Face `datasets` directory (`save_to_disk`), in order.
+
+    Why no `datasets` dependency: those files are plain Arrow IPC streams listed in
+    `state.json`; a `DatasetDict` directory holds one such folder per split (`train` is read).
+    """
+    if (path / "dataset_dict.json").is_file():
+        splits = json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
+        if "train" not in splits:
+            raise ValueError(f"{path}: a DatasetDict without a 'train' split (has {splits}); point at a split folder")
+        path = path / "train"
+    state = path / "state.json"
+    if not state.is_file():
+        raise ValueError(f"{path}: a directory, but not a Hugging Face dataset (no state.json)")
+    return [path / f["filename"] for f in json.loads(state.read_text()).get("_data_files", [])]
+
+
+def is_dataset_dir(path: str | Path) -> bool:
+    path = Path(path)
+    return path.is_dir() and ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file())
+
+
+def _read_arrow(path: Path) -> pa.Table:
+    try:
+        return pa.ipc.open_stream(pa.memory_map(str(path))).read_all()
+    except pa.ArrowInvalid:
+        return pa.ipc.open_file(pa.memory_map(str(path))).read_all()
+
 
 def read_table(path: str | Path) -> pa.Table:
     path = Path(path)
+    if path.is_dir():
+        tables = [_read_arrow(f) for f in _dataset_dir_files(path)]
+        if not tables:
+            raise ValueError(f"{path}: the dataset lists no data files")
+        return pa.concat_tables(tables)
     if path.suffix == ".parquet":
         import pyarrow.parquet as pq
 
@@ -24,13 +69,15 @@ def read_table(path: str | Path) -> pa.Table:
         import pyarrow.json as pj
 
         return pj.read_json(path)
+    if path.suffix == ".arrow":
+        return _read_arrow(path)
     raise ValueError(f"{path}: unsupported file type {path.suffix!r} (use .parquet or .jsonl)")
 
 
 def read_schema(path: str | Path):  # -> pa.Schema
     """The file's Arrow schema, reading as little as the format allows (Parquet: the footer only)."""
     path = Path(path)
-    if path.suffix == ".parquet":
+    if path.suffix == ".parquet" and not path.is_dir():
         import pyarrow.parquet as pq
 
         return pq.read_schema(path)
@@ -41,23 +88,75 @@ def read_columns(path: str | Path) -> list[str]:
     return list(read_schema(path).names)
 
 
-class PromptDataset:
-    """Prompts (and optional answers) from one or more files, as Python strings."""
+DEFAULT_ANSWER_KEYS = ("ground_truth", "reward_model.ground_truth")  # ours, then verl's nested one
 
-    def __init__(self, files: list[str | Path], prompt_key: str = "prompt", answer_key: str = "ground_truth"):
-        tables = [read_table(f) for f in files]
-        for f, t in zip(files, tables, strict=True):
-            if prompt_key not in t.column_names:
-                raise ValueError(f"{f}: no column {prompt_key!r} (columns: {t.column_names})")
-        self.prompts: list[str] = [p for t in tables for p in t.column(prompt_key).to_pylist()]
+
+def prompt_key_for(schema: pa.Schema, prompt_key: str) -> str:
+    """`prompt_key`, or `messages` (chat JSONL) when the default `prompt` column is absent."""
+    if prompt_key == "prompt" and key_type(schema, prompt_key) is None and key_type(schema, "messages") is not None:
+        return "messages"
+    return prompt_key
+
+
+def answer_key_for(schema: pa.Schema, answer_key: str | None) -> str | None:
+    """The answer column: the one named, else the first of DEFAULT_ANSWER_KEYS the file has."""
+    if answer_key is not None:
+        return answer_key
+    return next((k for k in DEFAULT_ANSWER_KEYS if key_type(schema, k) is not None), None)
+
+
+class PromptDataset:
+    """Prompts (text or chat messages) with their answers, data sources and extra info, row-checked.
+
+    `require_answer`: a rule reward needs every row's ground truth, so a null one is an
+    error naming the row, not an empty string that scores 0 without a word.
+    """
+
+    def __init__(self, files: list[str | Path], prompt_key: str = "prompt", answer_key: str | None = None,
+                 data_source_key: str = "data_source", extra_info_key: str = "extra_info",
+                 require_answer: bool = False):
+        self.prompts: list[str | list[dict[str, str]]] = []
         self.answers: list[str | None] = []
-        for t in tables:
-            if answer_key in t.column_names:
-                self.answers.extend(None if a is None else str(a) for a in t.column(answer_key).to_pylist())
-            else:
-                self.answers.extend([None] * t.num_rows)
+        self.data_sources: list[str | None] = []
+        self.extra_infos: list[str | None] = []
+        self.where: list[str] = []  # "file row i, column 'prompt'" for each row's error messages
+        for f in files:
+            self._add(Path(f), read_table(f), prompt_key, answer_key, data_source_key, extra_info_key,
+                      require_answer)
         if not self.prompts:
             raise ValueError(f"no prompts in {[str(f) for f in files]}")
+
+    def _add(self, path: Path, table: pa.Table, prompt_key: str, answer_key: str | None, source_key: str,
+             info_key: str, require_answer: bool) -> None:
+        key = prompt_key_for(table.schema, prompt_key)
+        prompts = key_values(table, key)
+        if prompts is MISSING:
+            raise ValueError(f"{path}: no column {prompt_key!r} (columns: {table.column_names})")
+        akey = answer_key_for(table.schema, answer_key)
+        answers = key_values(table, akey) if akey is not None else MISSING
+        answers = [None] * table.num_rows if answers is MISSING else [answer_text(a) for a in answers]
+        for row, (value, answer) in enumerate(zip(prompts, answers, strict=True)):  # type: ignore[arg-type]
+            where = f"{path} row {row}, column {key!r}"
+            if key == "messages" and isinstance(value, list):  # SFT-style chat: the last reply is the answer
+                while value and isinstance(value[-1], dict) and value[-1].get("role") == "assistant":
+                    if answer is None and akey is None:
+                        answer = answer_text(value[-1].get("content"))
+                    value = value[:-1]
+            self.prompts.append(check_prompt(value, where, "data.prompt_key"))
+            if require_answer and answer is None:
+                raise RowError("data.answer_key", f"{path} row {row}, column {akey or DEFAULT_ANSWER_KEYS[1]!r}: "
+                               "the ground truth is missing", "give every row a ground truth, or drop the row")
+            self.answers.append(answer)
+            self.where.append(where)
+        for out, k, convert in ((self.data_sources, source_key, answer_text), (self.extra_infos, info_key, info_text)):
+            values = key_values(table, k)
+            out.extend([None] * table.num_rows if values is MISSING else [convert(v) for v in values])
+
+    def keep(self, rows: list[int]) -> None:
+        """Only these rows, in this order (what `data.filter_overlong_prompts` leaves)."""
+        for name in ("prompts", "answers", "data_sources", "extra_infos", "where"):
+            values = getattr(self, name)
+            setattr(self, name, [values[i] for i in rows])
 
     def __len__(self) -> int:
         return len(self.prompts)

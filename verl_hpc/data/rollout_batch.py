@@ -29,6 +29,8 @@ SCHEMA = pa.schema([
     pa.field("prompt_ids", pa.list_(pa.int32()), nullable=False),
     pa.field("response_ids", pa.list_(pa.int32()), nullable=False),
     pa.field("ground_truth", pa.string()),
+    pa.field("data_source", pa.string()),  # the dataset's `data_source` (verl's reward_fn_key)
+    pa.field("extra_info", pa.string()),   # the dataset's `extra_info`, as JSON text (any shape)
     pa.field("score", pa.float32()),
     *[pa.field(name, pa.list_(pa.float32())) for name in TOKEN_FLOAT_COLUMNS],
 ])
@@ -117,13 +119,21 @@ def _occurrences(group_ids: Sequence[int]) -> list[int]:
     return out
 
 
-def _with_sample_index(batch: pa.RecordBatch) -> pa.RecordBatch:
-    """Batches saved before `sample_index` existed (checkpointed rollout buffers) get it derived."""
-    if "sample_index" in batch.schema.names:
+def _upgrade(batch: pa.RecordBatch) -> pa.RecordBatch:
+    """Batches saved by an earlier version (checkpointed rollout buffers, recorded rollouts).
+
+    `sample_index` is derived from the row order; a nullable column that did not exist yet
+    (`data_source`, `extra_info`) is all nulls, which is what a dataset without it gives.
+    """
+    names = set(batch.schema.names)
+    if all(f.name in names for f in SCHEMA):
         return batch
-    derived = pa.array(_occurrences(batch.column("group_id").to_pylist()), pa.int64())
     arrays = {name: batch.column(name) for name in batch.schema.names}
-    arrays["sample_index"] = derived
+    if "sample_index" not in names:
+        arrays["sample_index"] = pa.array(_occurrences(batch.column("group_id").to_pylist()), pa.int64())
+    for field in SCHEMA:
+        if field.name not in arrays and field.nullable:
+            arrays[field.name] = pa.nulls(batch.num_rows, field.type)
     return pa.RecordBatch.from_arrays([arrays[f.name] for f in SCHEMA], schema=SCHEMA)
 
 
@@ -166,7 +176,10 @@ class RolloutBatch:
                         rollout_logprobs: Sequence[Sequence[float]] | None, group_ids: Sequence[int],
                         prompt_index: Sequence[int], ground_truth: Sequence[str | None],
                         policy_version: int, step: int = 0,
-                        sample_index: Sequence[int] | None = None) -> RolloutBatch:
+                        sample_index: Sequence[int] | None = None,
+                        data_source: Sequence[str | None] | None = None,
+                        extra_info: Sequence[str | None] | None = None) -> RolloutBatch:
+        """One row per response; `data_source`/`extra_info` (JSON text) ride along to the reward."""
         n = len(prompt_ids)
         columns: dict[str, Any] = {
             "prompt_index": pa.array(prompt_index, pa.int64()),
@@ -178,6 +191,10 @@ class RolloutBatch:
             "prompt_ids": _ragged(prompt_ids, pa.int32()),
             "response_ids": _ragged(response_ids, pa.int32()),
             "ground_truth": pa.array(list(ground_truth), pa.string()),
+            "data_source": pa.array(list(data_source), pa.string()) if data_source is not None
+            else pa.nulls(n, pa.string()),
+            "extra_info": pa.array(list(extra_info), pa.string()) if extra_info is not None
+            else pa.nulls(n, pa.string()),
             "score": pa.nulls(n, pa.float32()),
         }
         for name in TOKEN_FLOAT_COLUMNS:
@@ -251,7 +268,7 @@ class RolloutBatch:
         reader = pa.ipc.open_stream(pa.py_buffer(data))
         batches = list(reader)
         whole = pa.concat_batches(batches) if len(batches) != 1 else batches[0]
-        return cls(_with_sample_index(whole))
+        return cls(_upgrade(whole))
 
     def sorted_by_row(self) -> RolloutBatch:
         """Rows in the step's order: by prompt group, then sample (the order every placement trains in)."""

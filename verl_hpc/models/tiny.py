@@ -24,6 +24,12 @@ from pathlib import Path
 PAD_TOKEN = "<|pad|>"
 EOS_TOKEN = "<|endoftext|>"
 MARKER_FILE = "verl_hpc_model.json"
+# A chat template spelled in the tokenizer's own alphabet (a byte-level BPE trained on the
+# task corpus drops characters it never saw, so `<|im_start|>` would vanish): each message
+# is its role, its content and EOS; the generation prompt is "answer ". Why one at all:
+# chat datasets (verl's `prompt` messages) must be testable with the tiny model.
+CHAT_TEMPLATE = ("{% for message in messages %}{{ message['role'] }} {{ message['content'] }}{{ eos_token }}"
+                 "{% endfor %}{% if add_generation_prompt %}answer {% endif %}")
 
 
 @dataclass(frozen=True)
@@ -90,8 +96,10 @@ def build_tokenizer(vocab_size: int, seed: int):  # -> PreTrainedTokenizerFast
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[PAD_TOKEN, EOS_TOKEN],
                                   show_progress=False)
     tok.train_from_iterator(tokenizer_corpus(seed), trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD_TOKEN, eos_token=EOS_TOKEN,
-                                   bos_token=None, unk_token=None, padding_side="left")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD_TOKEN, eos_token=EOS_TOKEN,
+                                        bos_token=None, unk_token=None, padding_side="left")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
 
 
 def build_model(preset: ModelPreset, vocab_size: int, pad_id: int, eos_id: int, seed: int):

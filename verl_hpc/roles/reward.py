@@ -16,8 +16,10 @@ counted (`errors`, `metrics()` -> `reward/errors`).
 from __future__ import annotations
 
 import inspect
+import json
 import math
 import numbers
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -92,22 +94,39 @@ class _Checked:
         return "the reward"
 
 
-class RuleReward(_Checked):
-    """Calls `fn(prompt=..., response=..., ground_truth=...)` on decoded text, per sequence.
+VERL_ARGS = ("data_source", "solution_str", "ground_truth")  # verl's compute_score(..., extra_info=None)
 
-    A function that takes a `finished` keyword (or `**kwargs`) also gets whether the
-    response ended with EOS, which the decoded text cannot show (special tokens are removed).
+
+class RuleReward(_Checked):
+    """Calls a rule function on decoded text, per sequence, in one of two signatures.
+
+    Ours: `fn(prompt=..., response=..., ground_truth=...)`; a function that takes a
+    `finished` keyword (or `**kwargs`) also gets whether the response ended with EOS,
+    which the decoded text cannot show (special tokens are removed). verl's:
+    `compute_score(data_source, solution_str, ground_truth, extra_info=None)`, recognised
+    by its parameter names and called with exactly those, so a verl user's function runs
+    unchanged. Either may return a number or a dict with `score` (verl's form); the dict's
+    other numeric entries become `reward/extra/<key>` (their mean over the batch).
+    With `num_workers > 1` the calls run in a pool of processes (`RewardPool`).
     """
 
-    def __init__(self, fn: Callable[..., float], tokenizer, on_error: str = "fail"):
-        self.fn = fn
-        self.tokenizer = tokenizer
+    def __init__(self, fn: Callable[..., Any], tokenizer, on_error: str = "fail", spec: str | None = None,
+                 field: str = "reward.function", num_workers: int = 1, timeout: float = 60.0,
+                 reward_kwargs: dict[str, Any] | None = None):
+        self.fn, self.tokenizer, self.field = fn, tokenizer, field
+        self.reward_kwargs = dict(reward_kwargs or {})
         self._set_policy(on_error)
         try:
-            params = inspect.signature(fn).parameters.values()
+            params = inspect.signature(fn).parameters
         except (TypeError, ValueError):
-            params = []
-        self._pass_finished = any(p.name == "finished" or p.kind is p.VAR_KEYWORD for p in params)
+            params = {}  # type: ignore[assignment]
+        kwargs = any(p.kind is p.VAR_KEYWORD for p in params.values())
+        self.verl = set(VERL_ARGS) <= set(params)
+        self._pass_extra = "extra_info" in params or kwargs
+        self._pass_finished = not self.verl and ("finished" in params or kwargs)
+        self.pool = RewardPool(spec or fn, num_workers, timeout) if num_workers > 1 else None
+        self.extra: dict[str, float] = {}
+        self.last_timeouts = 0
 
     def describe(self) -> str:
         """`module:function`, or `path/file.py:function` for a function loaded from a file."""
@@ -117,28 +136,164 @@ class RuleReward(_Checked):
             module = code.co_filename
         return f"{module}:{name}"
 
-    def score(self, batch: RolloutBatch) -> torch.Tensor:
+    def metrics(self) -> dict[str, float]:
+        """`reward/errors`, `reward/timeouts` (with a pool) and the dict returns' `reward/extra/<key>`."""
+        out = super().metrics()
+        if self.pool is not None:
+            out["reward/timeouts"] = float(self.last_timeouts)
+        out.update({f"reward/extra/{k}": v for k, v in self.extra.items()})
+        return out
+
+    def calls(self, batch: RolloutBatch) -> list[dict[str, Any]]:
+        """The keyword arguments of each row's call, in the function's own signature."""
         decode = self.tokenizer.batch_decode
         response_ids = batch.column("response_ids").to_pylist()
-        prompts = decode(batch.column("prompt_ids").to_pylist(), skip_special_tokens=True)
         responses = decode(response_ids, skip_special_tokens=True)
         truths = batch.column("ground_truth").to_pylist()
-        eos = self.tokenizer.eos_token_id
+        if self.verl:
+            infos = [None if e is None else json.loads(e) for e in batch.column("extra_info").to_pylist()]
+            out = [{"data_source": d, "solution_str": r, "ground_truth": t}
+                   for d, r, t in zip(batch.column("data_source").to_pylist(), responses, truths, strict=True)]
+            for call, info in zip(out, infos, strict=True):
+                if self._pass_extra:
+                    call["extra_info"] = info
+        else:
+            prompts = decode(batch.column("prompt_ids").to_pylist(), skip_special_tokens=True)
+            out = [{"prompt": p, "response": r, "ground_truth": t or ""}
+                   for p, r, t in zip(prompts, responses, truths, strict=True)]
+            eos = self.tokenizer.eos_token_id
+            for call, ids in zip(out, response_ids, strict=True):
+                if self._pass_finished:
+                    call["finished"] = bool(ids) and ids[-1] == eos
+        return [{**call, **self.reward_kwargs} for call in out]
+
+    def score(self, batch: RolloutBatch) -> torch.Tensor:
+        calls = self.calls(batch)
+        results = self.pool.run(calls) if self.pool is not None else [_call(self.fn, c) for c in calls]
         values: list[float] = []
         problems: dict[int, str] = {}
-        for row, (p, r, t, ids) in enumerate(zip(prompts, responses, truths, response_ids, strict=True)):
-            extra = {"finished": bool(ids) and ids[-1] == eos} if self._pass_finished else {}
-            try:
-                value = self.fn(prompt=p, response=r, ground_truth=t or "", **extra)
-            except Exception as err:  # noqa: BLE001 - the user's function: reported per on_error
-                problems[row] = f"raised {type(err).__name__}: {err}"
-                values.append(0.0)
-                continue
-            problem = score_problem(value)
+        extras: dict[str, list[float]] = {}
+        self.last_timeouts = sum(status == "timeout" for status, _ in results)
+        for row, (status, value) in enumerate(results):
+            if status == "ok" and isinstance(value, dict):
+                for key, extra in value.items():
+                    if key != "score" and score_problem(extra) is None:
+                        extras.setdefault(key, []).append(float(extra))
+                status, value = ("ok", value["score"]) if "score" in value else \
+                    ("error", "returned a dict without a 'score' key")
+            problem = value if status == "error" else score_problem(value) if status == "ok" else None
             if problem is not None:
                 problems[row] = problem
-            values.append(0.0 if problem is not None else float(value))
+            values.append(float(value) if status == "ok" and problem is None else 0.0)
+        self.extra = {k: sum(v) / len(v) for k, v in extras.items()}
         return self._resolve(batch, values, problems)
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+
+
+def _call(fn: Callable[..., Any], kwargs: dict[str, Any]) -> tuple[str, Any]:
+    """("ok", value) or ("error", why): one call of the user's function, never raising."""
+    try:
+        return "ok", fn(**kwargs)
+    except Exception as err:  # noqa: BLE001 - the user's function: reported per on_error
+        return "error", f"raised {type(err).__name__}: {err}"
+
+
+def _worker_main(conn: Any, target: str | Callable[..., Any]) -> None:
+    """A pool process: resolve the function once, then answer one call at a time."""
+    if isinstance(target, str):
+        from verl_hpc.config.checks import resolve_function
+
+        target = resolve_function(target, "reward")
+    conn.send(("ready", None))
+    while True:
+        try:
+            kwargs = conn.recv()
+        except EOFError:
+            return
+        status, value = _call(target, kwargs)
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        try:
+            conn.send((status, value))
+        except Exception as err:  # noqa: BLE001 - e.g. an unpicklable return value
+            conn.send(("error", f"returned {type(value).__name__}, which cannot be sent back: {err}"))
+
+
+class RewardPool:
+    """Processes that run a slow rule reward in parallel; a call past `timeout` kills its process.
+
+    Why processes and a kill, not threads: rule rewards are CPU-bound Python (math
+    verification, running code) that a thread cannot speed up, and a hung call (an
+    endless loop in generated code) can only be stopped by ending its process. A timed-out
+    call scores 0 and is counted (`reward/timeouts`); its process is replaced. The
+    processes are spawned (not forked from a process holding torch threads) and import
+    the function by its spec, which also works for a function loaded from a file.
+    """
+
+    def __init__(self, target: str | Callable[..., Any], num_workers: int, timeout: float):
+        import multiprocessing as mp
+
+        self.ctx = mp.get_context("spawn")
+        self.target, self.num_workers, self.timeout = target, num_workers, timeout
+        self.workers: list[tuple[Any, Any]] = []
+
+    def _start(self) -> tuple[Any, Any]:
+        parent, child = self.ctx.Pipe()
+        proc = self.ctx.Process(target=_worker_main, args=(child, self.target), daemon=True)
+        proc.start()
+        child.close()
+        if not parent.poll(300) or parent.recv()[0] != "ready":
+            raise RuntimeError("a reward worker process did not start within 300 s")
+        return proc, parent
+
+    def _replace(self, w: int) -> None:
+        proc, conn = self.workers[w]
+        proc.kill()
+        proc.join(5)
+        conn.close()
+        self.workers[w] = self._start()
+
+    def run(self, calls: list[dict[str, Any]]) -> list[tuple[str, Any]]:
+        """One (status, value) per call, in order; status is ok, error or timeout."""
+        from multiprocessing.connection import wait
+
+        while len(self.workers) < self.num_workers:
+            self.workers.append(self._start())
+        results: list[tuple[str, Any]] = [("timeout", None)] * len(calls)
+        pending, idle = list(range(len(calls)))[::-1], list(range(self.num_workers))
+        busy: dict[int, tuple[int, float]] = {}  # worker -> (row, deadline)
+        while pending or busy:
+            while pending and idle:
+                w, row = idle.pop(), pending.pop()
+                self.workers[w][1].send(calls[row])
+                busy[w] = (row, time.monotonic() + self.timeout)
+            conns = {self.workers[w][1]: w for w in busy}
+            left = max(0.0, min(deadline for _, deadline in busy.values()) - time.monotonic())
+            for conn in wait(list(conns), timeout=left):
+                w = conns[conn]
+                row, _ = busy.pop(w)
+                try:
+                    results[row] = conn.recv()
+                except EOFError:
+                    results[row] = ("error", "the reward worker process died")
+                    self._replace(w)
+                idle.append(w)
+            for w, (_row, deadline) in list(busy.items()):
+                if deadline <= time.monotonic():
+                    busy.pop(w)
+                    self._replace(w)  # results[row] stays ("timeout", None)
+                    idle.append(w)
+        return results
+
+    def close(self) -> None:
+        for proc, conn in self.workers:
+            conn.close()
+            proc.kill()
+            proc.join(5)
+        self.workers = []
 
 
 class ModelReward(_Checked):

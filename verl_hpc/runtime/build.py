@@ -21,6 +21,7 @@ import torch.distributed as dist
 from verl_hpc.config import ConfigError, RunConfig
 from verl_hpc.config.checks import expand_path, resolve_function
 from verl_hpc.data.prompts import PromptDataset
+from verl_hpc.data.records import RowError, fit_lengths, render_prompts
 from verl_hpc.data.tasks import write_task_prompts
 from verl_hpc.roles.actor import Actor
 from verl_hpc.roles.allocator import ResourceAllocator
@@ -56,6 +57,8 @@ class Roles:
     def close(self) -> None:
         if self.engine is not None:
             self.engine.close()
+        if isinstance(self.reward, RuleReward):
+            self.reward.close()  # its pool processes, if any
 
 
 @dataclass
@@ -106,24 +109,60 @@ def prompt_files(cfg: RunConfig, run_dir: Path) -> list[Path]:
     return files
 
 
-def tokenize_prompts(tokenizer, prompts: list[str], max_len: int) -> list[list[int]]:
-    """Token ids per prompt, keeping the last `max_len` tokens (the question's end matters most)."""
-    encoded = tokenizer(prompts, add_special_tokens=False)["input_ids"]
-    return [ids[-max_len:] for ids in encoded]
+def tokenize_prompts(tokenizer, prompts: list[Any], max_len: int, truncation: str = "error",
+                     where: list[str] | None = None) -> list[list[int]]:
+    """Token ids per prompt: text as is, chat messages through the chat template, fit per `truncation`.
+
+    Why `error` by default (verl's): cutting a chat prompt silently drops its template's
+    leading tokens (93 of 200 SmolLM2 prompts lost them under the old left-cut).
+    """
+    where = where if where is not None else [f"prompt {i}" for i in range(len(prompts))]
+    try:
+        texts = render_prompts(tokenizer, prompts, where, "data.prompt_key")
+        encoded = tokenizer(texts, add_special_tokens=False)["input_ids"]
+        return fit_lengths(encoded, max_len, truncation, where, "data.max_prompt_length")
+    except RowError as err:
+        raise ConfigError(err.field, err.message, err.hint) from None
+
+
+def load_dataset(cfg: RunConfig, run_dir: Path, tokenizer) -> tuple[PromptDataset, list[list[int]]]:
+    """The prompts, every row checked and tokenized (before any generation), over-long ones dropped if asked."""
+    data = cfg.data
+    try:
+        dataset = PromptDataset(prompt_files(cfg, run_dir), data.prompt_key, data.answer_key, data.reward_fn_key,
+                                data.extra_info_key, require_answer=cfg.reward.function_spec is not None)
+    except RowError as err:
+        raise ConfigError(err.field, err.message, err.hint) from None
+    truncation = "left" if data.filter_overlong_prompts else data.truncation  # nothing over is left to cut
+    ids = tokenize_prompts(tokenizer, dataset.prompts, 10**9 if data.filter_overlong_prompts else
+                           data.max_prompt_length, truncation, dataset.where)
+    if data.filter_overlong_prompts:
+        keep = [i for i, row in enumerate(ids) if len(row) <= data.max_prompt_length]
+        if not keep:
+            raise ConfigError("data.filter_overlong_prompts", f"every one of the {len(ids)} prompts is longer "
+                              f"than data.max_prompt_length={data.max_prompt_length}", "raise max_prompt_length")
+        dataset.keep(keep)
+        ids = [ids[i] for i in keep]
+    return dataset, ids
 
 
 def build_reward(cfg: RunConfig, tokenizer, device: torch.device, override: Any = None) -> RuleReward | ModelReward:
     """The rule function or reward model (`override`: the facade's `reward_model=` object)."""
-    on_error = cfg.reward.on_error
+    reward = cfg.reward
+    on_error = reward.on_error
     if override is not None:
         if callable(override):
             return RuleReward(override, tokenizer, on_error=on_error)
         if isinstance(override, str) and ":" in override and not os.path.isdir(override):
             return RuleReward(resolve_function(override, "reward_model"), tokenizer, on_error=on_error)
         return ModelReward(str(override), device, on_error=on_error)
-    if cfg.reward.function is not None:
-        return RuleReward(resolve_function(cfg.reward.function, "reward.function"), tokenizer, on_error=on_error)
-    return ModelReward(str(expand_path(cfg.reward.model_path or "")), device, on_error=on_error)
+    spec = reward.function_spec
+    if spec is not None:
+        custom = reward.custom_reward_function
+        return RuleReward(resolve_function(spec, reward.function_field), tokenizer, on_error=on_error, spec=spec,
+                          field=reward.function_field, num_workers=reward.num_workers,
+                          timeout=reward.timeout_seconds, reward_kwargs=custom.reward_kwargs if custom else None)
+    return ModelReward(str(expand_path(reward.model_path or "")), device, on_error=on_error)
 
 
 def load_causal_lm(path: str, dtype: torch.dtype) -> torch.nn.Module:
@@ -139,9 +178,9 @@ def build_roles(cfg: RunConfig, run_dir: Path, spec: BuildSpec, actor_model: Any
 
     model_dir = str(ensure_model(cfg))
     tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
-    dataset = PromptDataset(prompt_files(cfg, run_dir), cfg.data.prompt_key, cfg.data.answer_key)
+    dataset, prompt_ids = load_dataset(cfg, run_dir, tokenizer)
     roles = Roles(tokenizer=tokenizer, device=spec.device, dataset=dataset, hosted=spec.hosted,
-                  prompt_ids=tokenize_prompts(tokenizer, dataset.prompts, cfg.data.max_prompt_length))
+                  prompt_ids=prompt_ids)
     dtype = DTYPES[cfg.model.dtype]
     policy = None
     if "actor" in spec.hosted or "ref" in spec.hosted:
@@ -159,7 +198,7 @@ def build_roles(cfg: RunConfig, run_dir: Path, spec: BuildSpec, actor_model: Any
         roles.critic = _build_critic(cfg, spec, model_dir, dtype)
     if "rollout" in spec.hosted:
         roles.engine = _build_engine(cfg, spec, roles, model_dir, policy)
-        if (spec.rollout_builds_reward and cfg.reward.function is not None) or callable(reward_model):
+        if (spec.rollout_builds_reward and cfg.reward.function_spec is not None) or callable(reward_model):
             roles.reward = build_reward(cfg, tokenizer, spec.device, reward_model)
     if "reward" in spec.hosted and roles.reward is None:
         roles.reward = build_reward(cfg, tokenizer, spec.device, reward_model)
