@@ -61,10 +61,13 @@ def generate_rows(roles: Roles, cfg: RunConfig, step: int, indices: list[int], r
         out = generate_guarded(engine, prompt_ids, cfg.algorithm.sampling, roles.allocator)
     else:
         out = None
+    dataset = roles.dataset
     batch = RolloutBatch.from_generation(
         prompt_ids, out.response_ids if out else [], out.logprobs if out else [], group_ids=groups,
-        prompt_index=prompt_index, ground_truth=[roles.dataset.answers[i] for i in prompt_index],
-        policy_version=policy_version, step=step, sample_index=samples)
+        prompt_index=prompt_index, ground_truth=[dataset.answers[i] for i in prompt_index],
+        policy_version=policy_version, step=step, sample_index=samples,
+        data_source=[dataset.data_sources[i] for i in prompt_index],
+        extra_info=[dataset.extra_infos[i] for i in prompt_index])
     if roles.reward is not None and len(batch):
         batch = batch.with_columns(score=roles.reward.score(batch))
     return batch
