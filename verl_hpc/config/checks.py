@@ -148,6 +148,7 @@ def _check_data(cfg: RunConfig) -> None:
         field = f"data.train_files[{i}]"
         path = expand_path(name)
         from verl_hpc.data.prompts import is_dataset_dir, read_schema
+        from verl_hpc.data.records import RowError
 
         if not is_dataset_dir(path):
             if path.suffix not in DATA_SUFFIXES:
@@ -157,6 +158,8 @@ def _check_data(cfg: RunConfig) -> None:
                 raise FieldError(field, f"{name} does not exist or is not readable", "check the path and permissions")
         try:
             schema = read_schema(path)
+        except RowError as err:
+            raise FieldError(err.field, err.message, err.hint) from None
         except Exception as err:  # noqa: BLE001 - any parse failure is the user's file
             raise FieldError(field, f"{name} cannot be read as {path.suffix[1:] or 'a dataset'}: {err}",
                              "check the file's format") from None

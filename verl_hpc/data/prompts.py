@@ -54,6 +54,50 @@ def _read_arrow(path: Path) -> pa.Table:
         return pa.ipc.open_file(pa.memory_map(str(path))).read_all()
 
 
+def _read_jsonl(path: Path) -> pa.Table:
+    """JSON lines; a file pyarrow refuses is parsed again to name the row that breaks it."""
+    import pyarrow.json as pj
+
+    try:
+        return pj.read_json(path)
+    except pa.ArrowInvalid:
+        pass
+    rows: list[dict[str, Any]] = []
+    with path.open() as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as err:
+                raise RowError("data.train_files", f"{path} row {len(rows)} (line {line_no}): not JSON: {err}",
+                               "write one JSON object per line") from None
+    try:
+        return pa.Table.from_pylist(rows)
+    except (pa.ArrowInvalid, pa.ArrowTypeError):
+        _raise_mixed(path, rows)
+        raise
+
+
+def _raise_mixed(path: Path, rows: list[dict[str, Any]]) -> None:
+    """The first row whose value for a column has another JSON type than the rows before it."""
+    first: dict[str, tuple[int, str]] = {}
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise RowError("data.train_files", f"{path} row {i}: holds {type(row).__name__}, not an object")
+        for key, value in row.items():
+            kind = "number" if isinstance(value, (int, float)) and not isinstance(value, bool) else \
+                type(value).__name__
+            if value is None:
+                continue
+            seen = first.setdefault(key, (i, kind))
+            if seen[1] != kind:
+                field = "data.prompt_key" if key in ("prompt", "messages") else "data.train_files"
+                raise RowError(field, f"{path} row {i}, column {key!r}: holds {kind} {value!r:.40}, where row "
+                               f"{seen[0]} holds {seen[1]}", "give the column one shape in every row "
+                               "(a prompt: text, or a list of {role, content} messages)")
+
+
 def read_table(path: str | Path) -> pa.Table:
     path = Path(path)
     if path.is_dir():
@@ -66,9 +110,7 @@ def read_table(path: str | Path) -> pa.Table:
 
         return pq.read_table(path)
     if path.suffix in (".jsonl", ".json"):
-        import pyarrow.json as pj
-
-        return pj.read_json(path)
+        return _read_jsonl(path)
     if path.suffix == ".arrow":
         return _read_arrow(path)
     raise ValueError(f"{path}: unsupported file type {path.suffix!r} (use .parquet or .jsonl)")
