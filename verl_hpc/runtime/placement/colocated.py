@@ -24,6 +24,10 @@ class Colocated(DistributedPlacement):
             engine.sleep()  # type: ignore[union-attr]
         return self.score(batch, timer)
 
+    def resume_weights(self, version: int) -> None:
+        if self.trains:  # serving ranks (ref, critic, reward groups) hold no engine
+            self.sync_weights(version, changed=True)
+
     def sync_weights(self, version: int, changed: bool) -> int:
         from verl_hpc.roles.rollout import shares_module
         from verl_hpc.roles.weight_sync import iter_full_params, push_weights
