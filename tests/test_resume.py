@@ -106,3 +106,22 @@ def test_sigterm_stops_at_a_step_boundary_and_resumes_exactly(tmp_path: Path, ti
     assert _steps(stopped) == list(range(1, 41))
     for tag in (t for t in whole if not t.startswith(VOLATILE)):
         assert resumed[tag] == whole[tag], tag
+
+
+def test_resume_with_critic_and_ref_groups_is_exact(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """The critic group's shards and LR schedule come back from the shared checkpoint; the ref group restarts."""
+    args = ["configs/ppo_roles_apart.yaml", f"model.path={tiny_model_dir}", "logging.progress=off",
+            "trainer.batch_size=32", "checkpoint.interval_steps=3", "resources.placement=colocated",
+            "resources.actor={device_ids: [0, 1], strategy: fsdp}", "resources.critic={device_ids: [2], strategy: fsdp}",
+            "resources.ref={device_ids: [3], strategy: fsdp}", "~resources.reward", "algorithm.kl.coef=0.05"]
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    assert run_cli("train", *args, "trainer.total_steps=6", "--run-dir", str(whole)).returncode == 0
+    assert run_cli("train", *args, "trainer.total_steps=3", "--run-dir", str(resumed)).returncode == 0
+    proc = run_cli("train", *args, "trainer.total_steps=6", "--run-dir", str(resumed), "--allow-config-change")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from" in proc.stdout + proc.stderr
+    expected, got = (read_jsonl_metrics(d / "tensorboard" / "metrics.jsonl") for d in (whole, resumed))
+    assert [r["step"] for r in got] == [1, 2, 3, 4, 5, 6]
+    for a, b in zip(expected[3:], got[3:], strict=True):
+        for key in ("actor/pg_loss", "actor/kl_loss", "critic/vf_loss", "critic/values/mean", "critic/score/mean"):
+            assert b[key] == pytest.approx(a[key], abs=1e-6), (a["step"], key)
