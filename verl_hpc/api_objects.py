@@ -64,7 +64,8 @@ def reward_fields(raw: dict[str, Any], reward_model: Any) -> dict[str, Any]:
     """The `reward` section that `reward_model` implies ({} when the config's stays)."""
     if reward_model is None:
         return {}
-    kept = {k: v for k, v in (raw.get("reward") or {}).items() if k not in ("function", "model_path")}
+    kept = {k: v for k, v in (raw.get("reward") or {}).items()
+            if k not in ("function", "model_path", "custom_reward_function")}  # the object replaces them
     if isinstance(reward_model, str | Path):
         text = str(reward_model)
         if expand_path(text).is_dir():
@@ -158,7 +159,8 @@ def launch_config(cfg: RunConfig, actor_model: Any, reward_model: Any, run_dir: 
                               "imported by name, so the worker processes this config starts cannot call it",
                               "define it at the top level of a module (or of a script whose training call is under "
                               "if __name__ == '__main__':), or set reward.function: module:function")
-        updates["reward"] = cfg.reward.model_copy(update={"function": spec, "model_path": None})
+        updates["reward"] = cfg.reward.model_copy(update={"function": spec, "model_path": None,
+                                                          "custom_reward_function": None})
         paths.extend(p for p in [module_root(reward_model)] if p)
     if is_module(actor_model):
         init_dir = run_dir.absolute() / "init_model"

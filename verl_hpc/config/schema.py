@@ -272,10 +272,11 @@ class RunConfig(StrictModel):
     @model_validator(mode="before")
     @classmethod
     def _import_plugins(cls, data: object) -> object:
-        if isinstance(data, dict) and data.get("plugins"):
+        plugins = data.get("plugins") if isinstance(data, dict) else None
+        if isinstance(plugins, list) and all(isinstance(p, str) for p in plugins):  # else: a type error below
             from verl_hpc.config.checks import import_plugins
 
-            import_plugins(list(data["plugins"]))
+            import_plugins(plugins)
         return data
 
     @model_validator(mode="after")
