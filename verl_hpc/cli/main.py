@@ -92,6 +92,9 @@ def _cmd_train(args: argparse.Namespace) -> int:
               f"To resume: {again}")
         return 128 + getattr(signal.Signals, result.stopped_by, signal.SIGTERM).value
     print(f"steps: {result.steps}   final critic/score/mean: {score:.4f}" if score is not None else "")
+    for key, value in sorted(result.last_metrics.items()):
+        if key.startswith("val-core/"):
+            print(f"validation:    {key} {value:.4f}")
     print(f"tensorboard:   tensorboard --logdir {result.run_dir / 'tensorboard'}")
     if result.hf_model_dir is not None:
         print(f"trained model: {result.hf_model_dir}")

@@ -280,7 +280,34 @@ def _check_trusted_file(path: Path, field: str) -> None:
                          f"chmod go-w {path}")
 
 
+def _check_validation(cfg: RunConfig) -> None:
+    """Validation generates on the trainer ranks' own engines and scores with a local reward."""
+    data, trainer, res = cfg.data, cfg.trainer, cfg.resources
+    if not data.val_files:
+        if trainer.test_freq is not None or trainer.val_before_train:
+            field = "trainer.test_freq" if trainer.test_freq is not None else "trainer.val_before_train"
+            raise FieldError(field, "validation needs prompts, but data.val_files is empty",
+                             "list held-out Parquet/JSONL files under data.val_files")
+        return
+    for i, name in enumerate(data.val_files):
+        path = expand_path(name)
+        if path.suffix not in DATA_SUFFIXES and not path.is_dir():
+            raise FieldError(f"data.val_files[{i}]", f"{name} has an unsupported suffix",
+                             f"use one of {', '.join(DATA_SUFFIXES)}")
+        if not path.exists() or not os.access(path, os.R_OK):
+            raise FieldError(f"data.val_files[{i}]", f"{name} does not exist or is not readable",
+                             "check the path and permissions")
+    if res.placement == "split":
+        raise FieldError("data.val_files", "validation runs on the trainer ranks' engines; in split placement "
+                         "the engines live in the rollout group", "use resources.placement: colocated for a run "
+                         "with validation, or remove data.val_files")
+    if res.reward is not None and res.reward.device_ids != res.actor.device_ids:
+        raise FieldError("data.val_files", "validation scores on the trainer ranks; this reward runs in a group "
+                         "of its own", "remove resources.reward (the reward then runs beside the trainers)")
+
+
 def _check_roles(cfg: RunConfig) -> None:
+    _check_validation(cfg)
     res = cfg.resources
     if cfg.algorithm.max_staleness > 0 and res.placement != "split":
         raise FieldError("algorithm.max_staleness", "off-policy rollouts need their own processes to run ahead",

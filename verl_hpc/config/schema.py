@@ -61,6 +61,8 @@ class DataConfig(StrictModel):
                                           "before training (verl's key)")
     shuffle: bool = True
     # Every trainer rank writes the rows it trained on to <run_dir>/rollouts/ (Arrow IPC) ...
+    val_files: list[str] = Field(default_factory=list, description="held-out prompts (same layout as "
+                                 "train_files), scored without training: see trainer.test_freq")
     record_rollouts: bool = Field(False, description="write each trainer rank's trained rows to "
                                   "`<run_dir>/rollouts/` (Arrow IPC), for `replay_rollouts`")
     # ... and a run with replay_rollouts: <that dir> trains on those responses instead of
@@ -214,6 +216,12 @@ class TrainerConfig(StrictModel):
     torch_threads: int | None = Field(None, ge=1)
     oom_retry: bool = True
     min_micro_batch_size: int = Field(1, ge=1)
+    # Validation on data.val_files (verl's keys): `val-core/<data_source>/reward/mean@<val_n>`.
+    test_freq: int | None = Field(None, ge=1, description="validate every N steps and after the last one "
+                                  "(needs data.val_files); unset = only with val_before_train")
+    val_before_train: bool = Field(False, description="validate once before the first step (logged at step 0)")
+    val_n: int = Field(1, ge=1, description="responses per validation prompt (the @N of the metric name)")
+    val_greedy: bool = Field(True, description="greedy validation (top-k 1); false = sample like training")
 
 
 class CheckpointConfig(StrictModel):

@@ -43,6 +43,8 @@ class Roles:
     dataset: PromptDataset
     prompt_ids: list[list[int]]
     hosted: tuple[str, ...]
+    val_dataset: PromptDataset | None = None       # data.val_files, on processes that validate
+    val_prompt_ids: list[list[int]] | None = None
     actor: Actor | None = None
     ref_model: torch.nn.Module | None = None
     critic: Critic | None = None
@@ -125,11 +127,13 @@ def tokenize_prompts(tokenizer, prompts: list[Any], max_len: int, truncation: st
         raise ConfigError(err.field, err.message, err.hint) from None
 
 
-def load_dataset(cfg: RunConfig, run_dir: Path, tokenizer) -> tuple[PromptDataset, list[list[int]]]:
-    """The prompts, every row checked and tokenized (before any generation), over-long ones dropped if asked."""
+def load_dataset(cfg: RunConfig, run_dir: Path, tokenizer,
+                 files: list[Path] | None = None) -> tuple[PromptDataset, list[list[int]]]:
+    """The prompts (`files`, default the training set), every row checked and tokenized before any
+    generation, over-long ones dropped if asked."""
     data = cfg.data
     try:
-        dataset = PromptDataset(prompt_files(cfg, run_dir), data.prompt_key, data.answer_key, data.reward_fn_key,
+        dataset = PromptDataset(files if files is not None else prompt_files(cfg, run_dir), data.prompt_key, data.answer_key, data.reward_fn_key,
                                 data.extra_info_key, require_answer=cfg.reward.function_spec is not None)
     except RowError as err:
         raise ConfigError(err.field, err.message, err.hint) from None
@@ -202,6 +206,9 @@ def build_roles(cfg: RunConfig, run_dir: Path, spec: BuildSpec, actor_model: Any
             roles.reward = build_reward(cfg, tokenizer, spec.device, reward_model)
     if "reward" in spec.hosted and roles.reward is None:
         roles.reward = build_reward(cfg, tokenizer, spec.device, reward_model)
+    if cfg.data.val_files and "actor" in spec.hosted and "rollout" in spec.hosted:
+        roles.val_dataset, roles.val_prompt_ids = load_dataset(
+            cfg, run_dir, tokenizer, [expand_path(f) for f in cfg.data.val_files])
     trainer = cfg.trainer
     roles.allocator = ResourceAllocator(spec.device, trainer.min_micro_batch_size, trainer.oom_retry)
     if roles.actor is not None and spec.fsdp_group is None:

@@ -16,7 +16,7 @@ from typing import Any
 
 from verl_hpc.config import RunConfig
 from verl_hpc.metrics import MetricsLogger, Progress
-from verl_hpc.runtime import resize
+from verl_hpc.runtime import resize, validation
 from verl_hpc.runtime.checkpointing import ModelState, RunCheckpointer, resume_path
 from verl_hpc.runtime.env import JobEnvironment
 from verl_hpc.runtime.loop import RLTrainer
@@ -43,6 +43,10 @@ class Outcome:
     requeued: bool = False          # the leader's `scontrol requeue` went through
     wanted_requeue: bool = False    # the signal asked for one (USR1/USR2)
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+def _brief(metrics: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:.4f}" for k, v in metrics.items())
 
 
 class RunLifecycle:
@@ -108,6 +112,11 @@ class RunLifecycle:
         if p.is_leader:
             log.info("training %s for %d steps in %s", cfg.algorithm.name, cfg.trainer.total_steps, self.run_dir)
         try:
+            if trainer.step == 0 and p.trains and validation.due(cfg, 0):
+                before = validation.validate(p, trainer.policy_version)
+                if logger is not None:
+                    logger.log_scalars(0, before)
+                    log.info("validation before training: %s", _brief(before))
             return self.steps(logger, progress)
         finally:
             if self.checkpointer is not None:
@@ -130,6 +139,8 @@ class RunLifecycle:
                 if self.checkpointer is not None and (signum or resizing):
                     self.checkpointer.requested = True
             self.maybe_save(metrics)  # trainer ranks, and a critic group's ranks that share the checkpoint
+            if p.trains and validation.due(cfg, trainer.step):
+                metrics.update(validation.validate(p, trainer.policy_version))
             if p.is_leader:
                 self.log_step(metrics, logger, progress)
                 outcome.metrics = metrics

@@ -156,6 +156,10 @@ class Placement:
     def mean_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
         return metrics
 
+    def gather_to_leader(self, value: Any) -> list[Any] | None:
+        """Every trainer rank's `value`, in rank order, on the leader (None elsewhere)."""
+        return [value]
+
     def whole_batch(self, batch: RolloutBatch) -> RolloutBatch | None:
         """Every trainer rank's rows on the leader (metrics), None elsewhere."""
         return batch

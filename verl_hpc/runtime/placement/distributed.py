@@ -120,6 +120,13 @@ class DistributedPlacement(Placement):
         dist.all_reduce(values, group=self.ctx.process_group)
         return {k: float(v) / self.world for k, v in zip(keys, values, strict=True)}
 
+    def gather_to_leader(self, value: Any) -> list[Any] | None:
+        if self.world == 1:
+            return [value]
+        parts: list[Any] = [None] * self.world if self.is_leader else []
+        dist.gather_object(value, parts if self.is_leader else None, dst=self.leader, group=self.ctx.process_group)
+        return parts if self.is_leader else None
+
     def whole_batch(self, batch: RolloutBatch) -> RolloutBatch | None:
         if self.world == 1:
             return batch

@@ -1,0 +1,81 @@
+"""Validation on held-out prompts: verl's `val-core/<data_source>/reward/mean@N`, before, during and after."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from tests.conftest import run_cli
+from tests.test_runtime_embedded import quick_dict
+from verl_hpc.config import ConfigError, load_config
+from verl_hpc.metrics import read_jsonl_metrics
+
+KEY = "val-core/arith/reward/mean@1"
+
+
+def val_file(tmp_path: Path) -> Path:
+    """Held-out sums in verl's layout (a data_source column names the metric)."""
+    rows = [{"prompt": f"{a}+{b}=", "ground_truth": str(a + b), "data_source": "arith"}
+            for a in range(5) for b in range(5)]
+    out = tmp_path / "val.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), out)
+    return out
+
+
+def config(model: Path, val: Path, steps: int = 4) -> dict:
+    data = quick_dict(model, steps=steps)
+    data["data"]["val_files"] = [str(val)]
+    data["trainer"].update(test_freq=2, val_before_train=True)
+    return data
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("devices", [[0], [0, 1]], ids=["one_process", "colocated_2"])
+def test_validation_before_during_and_after(tmp_path: Path, tiny_model_dir: Path, devices: list[int]) -> None:
+    import yaml
+
+    data = config(tiny_model_dir, val_file(tmp_path))
+    data["resources"]["actor"] = {"device_ids": devices, "strategy": "fsdp" if len(devices) > 1 else "hf"}
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(data))
+    proc = run_cli("train", str(path), "--run-dir", str(tmp_path / "run"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_jsonl_metrics(tmp_path / "run" / "tensorboard" / "metrics.jsonl")
+    validated = {r["step"]: r[KEY] for r in rows if KEY in r}
+    assert sorted(validated) == [0, 2, 4]  # before training, every test_freq steps, after the last
+    assert all(0.0 <= v <= 1.0 for v in validated.values())
+    assert f"validation:    {KEY}" in proc.stdout  # the end-of-run summary
+
+
+@pytest.mark.slow
+def test_greedy_validation_is_the_same_on_one_process_and_two(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """Before training every placement holds the same weights: greedy validation must agree exactly."""
+    from verl_hpc.launch.train import train
+
+    val = val_file(tmp_path)
+    results = []
+    for devices in ([0], [0, 1]):
+        data = config(tiny_model_dir, val, steps=1)
+        data["resources"]["actor"] = {"device_ids": devices, "strategy": "fsdp" if len(devices) > 1 else "hf"}
+        run_dir = tmp_path / f"run{len(devices)}"
+        train(load_config(data=data), run_dir)
+        results.append(read_jsonl_metrics(run_dir / "tensorboard" / "metrics.jsonl")[0])
+    assert results[0]["step"] == results[1]["step"] == 0
+    assert results[0][KEY] == results[1][KEY]
+
+
+def test_validation_needs_files_and_an_engine_beside_the_trainer(tmp_path: Path, tiny_model_dir: Path) -> None:
+    data = quick_dict(tiny_model_dir)
+    data["trainer"]["test_freq"] = 5
+    with pytest.raises(ConfigError, match="trainer.test_freq: validation needs prompts"):
+        load_config(data=data)
+    data = config(tiny_model_dir, val_file(tmp_path))
+    data["resources"].update(placement="split", rollout={"device_ids": [1]})
+    with pytest.raises(ConfigError, match="data.val_files: validation runs on the trainer ranks"):
+        load_config(data=data)
+    data = config(tiny_model_dir, tmp_path / "missing.parquet")
+    with pytest.raises(ConfigError, match=r"data.val_files\[0\]: .* does not exist"):
+        load_config(data=data)
