@@ -135,3 +135,35 @@ def test_same_seed_same_samples_and_engine_errors_are_named(tmp_path) -> None:
         assert engine.generate(prompt_ids, sampling).response_ids  # still serving after an error
     finally:
         engine.close()
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_hf_and_vllm_stop_on_the_same_eos_ids_under_greedy_decoding(tmp_path) -> None:
+    """A second stop id from generation_config.json (a chat model's end-of-turn) ends both engines' rows alike."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    from verl_hpc.roles.rollout.base import stop_token_ids
+    from verl_hpc.roles.rollout.hf import HFRolloutEngine
+
+    path = init_model(tmp_path / "m", preset="tiny-hd32", seed=0)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    prompt_ids = [tokenizer(t)["input_ids"] for t in TEXTS]
+    greedy = SamplingConfig(n=1, temperature=1.0, top_k=1, max_new_tokens=6)
+    free = HFRolloutEngine(model, tokenizer).generate(prompt_ids, greedy)
+    row, cut = next(((r, k) for r in free.response_ids for k in range(1, len(r))
+                      if r[k] not in r[:k] and r[k] != tokenizer.eos_token_id), (free.response_ids[0], 0))
+    turn_end = row[cut]  # a token greedy decoding emits (first seen mid-row): make it an end-of-turn id
+    GenerationConfig(eos_token_id=[tokenizer.eos_token_id, turn_end]).save_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    assert stop_token_ids(tokenizer, str(path)) == [tokenizer.eos_token_id, turn_end]
+    hf = HFRolloutEngine(model, tokenizer).generate(prompt_ids, greedy)
+    assert row[:cut + 1] in hf.response_ids  # that row is cut right after the new stop id
+    engine = VLLMRolloutEngine(str(path), unsampled_token(model), VllmArgs(dtype="float32", enforce_eager=True),
+                               eos_ids=stop_token_ids(tokenizer, str(path)))
+    try:
+        served = engine.generate(prompt_ids, greedy)
+    finally:
+        engine.close()
+    assert served.response_ids == hf.response_ids

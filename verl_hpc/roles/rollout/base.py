@@ -16,6 +16,31 @@ import torch
 from verl_hpc.config import SamplingConfig
 
 
+def stop_token_ids(tokenizer, model_dir: str | None = None, model=None) -> list[int]:
+    """Every id that ends a response: the tokenizer's EOS and the model's `generation_config` ones.
+
+    Why both: chat models end a turn with a token the tokenizer may not call EOS
+    (`<|im_end|>`), listed only in generation_config.json (an int or a list). Both engines
+    stop on the same set, so HF and vLLM rollouts of one model end in the same place.
+    """
+    ids: list[int] = []
+    if tokenizer.eos_token_id is not None:
+        ids.append(int(tokenizer.eos_token_id))
+    config = getattr(model, "generation_config", None)
+    if config is None and model_dir is not None:
+        try:
+            from transformers import GenerationConfig
+
+            config = GenerationConfig.from_pretrained(model_dir)
+        except (OSError, ValueError):  # no generation_config.json: the tokenizer's EOS alone
+            config = None
+    extra = getattr(config, "eos_token_id", None)
+    for token in [extra] if isinstance(extra, int) else list(extra or []):
+        if int(token) not in ids:
+            ids.append(int(token))
+    return ids
+
+
 @dataclass
 class Generation:
     """One sampled response per input prompt, EOS included when it was produced."""

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from verl_hpc.config.resources import RoleResources, VllmArgs
-from verl_hpc.roles.rollout.base import RolloutEngine
+from verl_hpc.roles.rollout.base import RolloutEngine, stop_token_ids
 from verl_hpc.roles.rollout.hf import HFRolloutEngine
 
 
@@ -28,7 +28,7 @@ def build_engine(resources: RoleResources, model_dir: str, tokenizer, device: to
         pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id != tokenizer.eos_token_id else None
         return VLLMRolloutEngine(model_dir, pad_id, resources.vllm_args or VllmArgs(), resources.device_type,
                                  None if launched else resources.device_ids, colocated=colocated, timeout=timeout,
-                                 log_file=log_file)
+                                 log_file=log_file, eos_ids=stop_token_ids(tokenizer, model_dir))
     if hf_model is None:
         from transformers import AutoModelForCausalLM
 

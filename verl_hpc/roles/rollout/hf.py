@@ -14,7 +14,7 @@ import torch
 from verl_hpc.config import SamplingConfig
 from verl_hpc.roles.flat_weights import flatten_params, same_memory
 from verl_hpc.roles.forward import exclude_padding, unsampled_token
-from verl_hpc.roles.rollout.base import Generation
+from verl_hpc.roles.rollout.base import Generation, stop_token_ids
 
 
 class HFRolloutEngine:
@@ -23,7 +23,7 @@ class HFRolloutEngine:
         self.tokenizer = tokenizer
         self.device = torch.device(device)
         self.pad_id = tokenizer.pad_token_id
-        self.eos_id = tokenizer.eos_token_id
+        self.eos_ids = stop_token_ids(tokenizer, model=model)
         self.policy_version = 0
 
     @torch.no_grad()
@@ -43,7 +43,7 @@ class HFRolloutEngine:
         out = self.model.generate(
             input_ids=input_ids.to(self.device), attention_mask=attention.to(self.device),
             do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or None,
-            max_new_tokens=sampling.max_new_tokens, pad_token_id=self.pad_id, eos_token_id=self.eos_id,
+            max_new_tokens=sampling.max_new_tokens, pad_token_id=self.pad_id, eos_token_id=self.eos_ids,
             output_logits=True, return_dict_in_generate=True,
             # Padding is not an action: a sampled pad would be cut from the sequence by every
             # consumer that strips padding (reward models, the trainer's masks).
@@ -55,7 +55,7 @@ class HFRolloutEngine:
         logits = exclude_padding(torch.stack(out.logits, dim=1).float().cpu(), unsampled_token(self.model))
         logits = logits / sampling.temperature
         logprobs = torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-        return _trim(tokens, logprobs, self.eos_id, stopper.lengths if stopper else None)
+        return _trim(tokens, logprobs, self.eos_ids, stopper.lengths if stopper else None)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         params = dict(self.model.named_parameters())
@@ -103,10 +103,10 @@ class _StopStringLengths:
         return done
 
 
-def _trim(tokens: torch.Tensor, logprobs: torch.Tensor, eos_id: int,
+def _trim(tokens: torch.Tensor, logprobs: torch.Tensor, eos_ids: list[int],
           stop_lengths: torch.Tensor | None = None) -> Generation:
-    """Cut each row after its first EOS or stop string (kept: emitting it was an action)."""
-    is_eos = tokens == eos_id
+    """Cut each row after its first EOS (any of `eos_ids`) or stop string (kept: emitting it was an action)."""
+    is_eos = torch.isin(tokens, torch.tensor(eos_ids, dtype=tokens.dtype))
     has_eos = is_eos.any(dim=1)
     first_eos = torch.where(has_eos, is_eos.int().argmax(dim=1), torch.full_like(has_eos, tokens.shape[1] - 1,
                                                                                   dtype=torch.long))

@@ -96,8 +96,9 @@ class VLLMRolloutEngine:
 
     def __init__(self, model_dir: str, pad_id: int | None, args: VllmArgs, device_type: str = "cpu",
                  device_ids: list[int] | None = None, colocated: bool = False, timeout: float = 600.0,
-                 log_file: Path | None = None):
+                 log_file: Path | None = None, eos_ids: list[int] | None = None):
         self.model_dir, self.pad_id, self.timeout = model_dir, pad_id, timeout
+        self.eos_ids = list(eos_ids or [])  # stop on exactly what the HF engine stops on (base.stop_token_ids)
         self.options = engine_options(model_dir, device_type, args, colocated)
         self.policy_version = 0
         self.last_update: tuple[int, float] = (0, 0.0)  # bytes, seconds of the latest weight update
@@ -170,7 +171,7 @@ class VLLMRolloutEngine:
         # One seed per request, drawn from the trainer's per-step RNG: a resumed run
         # samples exactly what the uninterrupted run sampled.
         seeds = torch.randint(0, 2**31 - 1, (len(prompt_ids),)).tolist()
-        request = {"prompt_ids": prompt_ids, "seeds": seeds, "pad_id": self.pad_id,
+        request = {"prompt_ids": prompt_ids, "seeds": seeds, "pad_id": self.pad_id, "eos_ids": self.eos_ids,
                    "sampling": sampling.model_dump(include={"temperature", "top_p", "top_k", "max_new_tokens",
                                                             "stop"})}
         responses, logprobs = self.call("generate", request)
