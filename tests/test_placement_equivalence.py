@@ -125,6 +125,15 @@ def test_grpo_with_a_reward_model_agrees_on_every_placement(tmp_path: Path, tiny
     assert kl[1] > 0.0 and kl[2] > 0.0  # the ref group serves the KL once the actor has moved
 
 
+def test_a_tiny_llama_agrees_on_every_placement(tmp_path: Path) -> None:
+    """A second architecture (no attention biases, an untied head) through the same placements."""
+    from verl_hpc.models.tiny import init_model
+
+    model = init_model(tmp_path / "llama", preset="tiny-llama", seed=0)
+    data = base_config(model, {"name": "grpo"}, {"function": "verl_hpc.data.tasks.arithmetic:score"}, steps=3)
+    replay_everywhere(tmp_path, data, COMMON_KEYS, PLACEMENTS)
+
+
 @pytest.mark.parametrize("in_reward", [False, True], ids=["kl_loss", "kl_in_reward"])
 def test_ppo_agrees_on_every_placement(tmp_path: Path, tiny_model_dir: Path, in_reward: bool) -> None:
     algorithm = {"name": "ppo", "critic_warmup_steps": 2, "kl": {"estimator": "k3", "coef": 0.1,

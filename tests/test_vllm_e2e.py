@@ -46,17 +46,22 @@ def test_quickstart_vllm_learns_with_one_engine_start(tmp_path: Path) -> None:
     assert not _engine_processes()
 
 
-def test_split_rollout_rank_serves_vllm_and_takes_broadcast_weights(tmp_path: Path) -> None:
+@pytest.mark.parametrize("preset", ["tiny-hd32", "tiny-llama"])
+def test_split_rollout_rank_serves_vllm_and_takes_broadcast_weights(tmp_path: Path, preset: str) -> None:
+    """Qwen2 (tied head) and Llama (untied): the engine follows every update (its probabilities are the trainer's)."""
     run_dir = tmp_path / "run"
     proc = run_cli("train", "configs/quickstart_split.yaml", "--run-dir", str(run_dir),
-                   f"model.path={tmp_path / 'model'}", "model.init_preset=tiny-hd32",
+                   f"model.path={tmp_path / 'model'}", f"model.init_preset={preset}",
                    "trainer.total_steps=4", "trainer.save_hf_model=false", VLLM_ROLLOUT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert _starts(run_dir) == 1
     rollout = read_jsonl_metrics(next((run_dir / "tensorboard").glob("rollout_rank*")) / "metrics.jsonl")
     assert [r["rollout/policy_version"] for r in rollout] == [0, 1, 2, 3]  # a new version every step
     assert all(r["perf/weight_sync_bytes"] > 0 for r in rollout[1:])
-    assert len(read_jsonl_metrics(run_dir / "tensorboard" / "metrics.jsonl")) == 4
+    trained = read_jsonl_metrics(run_dir / "tensorboard" / "metrics.jsonl")
+    assert len(trained) == 4
+    assert all(r["training/rollout_probs_diff_max"] < 1e-3 for r in trained), \
+        [r["training/rollout_probs_diff_max"] for r in trained]
     assert not _engine_processes()
 
 

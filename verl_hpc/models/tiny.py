@@ -44,6 +44,7 @@ class ModelPreset:
     vocab_size: int
     max_position_embeddings: int = 256
     tie_word_embeddings: bool = True
+    family: str = "qwen2"  # or "llama": a second architecture through every placement
 
 
 PRESETS: dict[str, ModelPreset] = {
@@ -58,6 +59,9 @@ PRESETS: dict[str, ModelPreset] = {
                              intermediate_size=256, vocab_size=64),
     "tiny-hd32-untied": ModelPreset(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
                                     intermediate_size=256, vocab_size=64, tie_word_embeddings=False),
+    # A Llama (no attention biases, untied head) of tiny's size, head size 32 for vLLM's CPU attention.
+    "tiny-llama": ModelPreset(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                              intermediate_size=256, vocab_size=64, tie_word_embeddings=False, family="llama"),
     # ~20M parameters: compute-dominated, for benchmarks.
     "small": ModelPreset(hidden_size=512, num_layers=6, num_heads=8, num_kv_heads=4,
                          intermediate_size=1536, vocab_size=1024, max_position_embeddings=512),
@@ -103,11 +107,13 @@ def build_tokenizer(vocab_size: int, seed: int):  # -> PreTrainedTokenizerFast
 
 
 def build_model(preset: ModelPreset, vocab_size: int, pad_id: int, eos_id: int, seed: int):
-    """A randomly initialised Qwen2 causal LM (fp32)."""
+    """A randomly initialised Qwen2 (or Llama, by `preset.family`) causal LM (fp32)."""
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-    config = Qwen2Config(
+    config_cls, model_cls = (LlamaConfig, LlamaForCausalLM) if preset.family == "llama" else \
+        (Qwen2Config, Qwen2ForCausalLM)
+    config = config_cls(
         vocab_size=vocab_size, hidden_size=preset.hidden_size,
         intermediate_size=preset.intermediate_size, num_hidden_layers=preset.num_layers,
         num_attention_heads=preset.num_heads, num_key_value_heads=preset.num_kv_heads,
@@ -116,7 +122,7 @@ def build_model(preset: ModelPreset, vocab_size: int, pad_id: int, eos_id: int, 
         eos_token_id=eos_id, bos_token_id=eos_id, torch_dtype="float32",
     )
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config)
+    model = model_cls(config)
     model.generation_config.pad_token_id = pad_id
     model.generation_config.eos_token_id = eos_id
     return model
