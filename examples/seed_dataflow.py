@@ -84,7 +84,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"process groups: {groups}; the reward group runs {cfg.reward.function}")
     if args.dry_run:
         return 0
-    cfg = verl_hpc.load_config(data=cfg.model_dump(by_alias=True),
+    # Train with the shipped config's engine: the tiny model's head size (24) is not one vLLM's
+    # CPU attention supports, so the graph's vLLM rollout stays a declaration here.
+    placed = cfg.model_copy(update={"resources": cfg.resources.model_copy(update={"rollout": rollout})})
+    cfg = verl_hpc.load_config(data=placed.model_dump(by_alias=True),
                                overrides=[f"trainer.total_steps={args.steps}", "logging.progress=lines"])
     result = verl_hpc.HybridTrainer(config=cfg, run_dir=args.run_dir).train()
     print(f"trained the seed graph for {result.steps} steps in {result.run_dir}: "

@@ -21,17 +21,40 @@ def _load(path: Path):
     return module
 
 
-@pytest.mark.slow
-def test_smollm2_two_grpo_steps_with_hf_rollouts(tmp_path: Path) -> None:
+VLLM_ROLLOUT = ("resources.rollout={device_type: cpu, device_ids: [0], strategy: vllm, "
+                "vllm_args: {dtype: float32, enforce_eager: true, kv_cache_space_gb: 1}}")
+
+
+def train(tmp_path: Path, *overrides: str) -> list[dict]:
     model_dir = _load(REPO / "tools" / "make_smollm2.py").build()
-    data = _load(REPO / "examples" / "gsm8k" / "make_data.py").write(tmp_path / "gsm8k", count=4)
+    make = _load(REPO / "examples" / "gsm8k" / "make_data.py")
+    data = make.write(tmp_path / "gsm8k", count=4)
+    val = make.write(tmp_path / "gsm8k_val", count=2)
     run_dir = tmp_path / "run"
     proc = run_cli("train", str(REPO / "configs" / "smollm2_gsm8k.yaml"), "--run-dir", str(run_dir),
-                   f"model.path={model_dir}", f"data.train_files=[{data}]", "algorithm.sampling.max_new_tokens=8",
-                   timeout=1800)
+                   f"model.path={model_dir}", f"data.train_files=[{data}]", f"data.val_files=[{val}]",
+                   "trainer.test_freq=2", "algorithm.sampling.max_new_tokens=8", *overrides, timeout=1800)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    metrics = [json.loads(line) for line in (run_dir / "tensorboard" / "metrics.jsonl").read_text().splitlines()]
+    assert "validation:    val-core/" in proc.stdout
+    return [json.loads(line) for line in (run_dir / "tensorboard" / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_smollm2_two_grpo_steps_with_hf_rollouts(tmp_path: Path) -> None:
+    metrics = train(tmp_path)
     assert len(metrics) == 2
     for step in metrics:
         for key in ("critic/score/mean", "actor/pg_loss", "actor/grad_norm", "reward/extra/formatted"):
             assert math.isfinite(step[key]), (key, step)
+    assert any(k.startswith("val-core/") and k.endswith("/reward/mean@1") for k in metrics[-1])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
+def test_smollm2_under_vllm_follows_every_update(tmp_path: Path) -> None:
+    """Tied embeddings: after each in-place reload the engine's probabilities are still the trainer's."""
+    metrics = train(tmp_path, VLLM_ROLLOUT, "trainer.total_steps=3", "trainer.actor_optim.lr=1e-5")
+    assert len(metrics) == 3
+    diffs = [step["training/rollout_probs_diff_max"] for step in metrics]
+    assert all(d < 1e-2 for d in diffs), diffs
+    assert all(math.isfinite(step["actor/pg_loss"]) for step in metrics)
