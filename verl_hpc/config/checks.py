@@ -97,8 +97,9 @@ def _check_layout(cfg: RunConfig, mini: int) -> None:
     actor_procs = res.actor.world_size
     field = "algorithm.mini_batch_size" if algo.mini_batch_size else "trainer.batch_size"
     if mini % actor_procs:
-        raise FieldError(field, f"{actor_procs} actor processes cannot split a "
-                         f"mini-batch of {mini} sequences evenly", f"use a multiple of {actor_procs}")
+        raise FieldError("resources.actor.device_ids", f"{actor_procs} actor processes cannot split a "
+                         f"mini-batch of {mini} sequences evenly", f"use a process count that divides {mini}, "
+                         f"or a {field} that is a multiple of {actor_procs}")
     per_rank = mini // actor_procs
     if algo.estimator.whole_groups and per_rank % n:
         raise FieldError(field, f"each of the {actor_procs} actor processes takes {per_rank} "
