@@ -81,9 +81,10 @@ class RLTrainer:
             train_metrics.update(self.rollout_probs_diff(batch, inputs))
             with timer("update_weights"):
                 sync_bytes = p.sync_weights(self.policy_version, changed=update_actor)
-        batch = batch.with_columns(**{k: inputs[k] for k in UPDATE_COLUMNS if k in inputs})
+        if p.world > 1 or cfg.data.record_rollouts:  # the rows leave this rank: carry the step's columns
+            batch = batch.with_columns(**{k: inputs[k] for k in UPDATE_COLUMNS if k in inputs})
         p.record(self.step, batch)
-        metrics = self.step_metrics(batch, p.mean_metrics(train_metrics), timer, sync_bytes)
+        metrics = self.step_metrics(batch, inputs, p.mean_metrics(train_metrics), timer, sync_bytes)
         return {**metrics, "rollout/policy_lag": float(lag)} if metrics else metrics
 
     def forward_passes(self, batch: RolloutBatch, inputs: dict[str, torch.Tensor], timer: Timer) -> None:
@@ -136,19 +137,20 @@ class RLTrainer:
             values=inputs.get("values"), algo=algo, reduce_sum=self.placement.reduce_sum))
         inputs.update(advantages=advantages.float(), returns=returns.float(), token_rewards=token_rewards.float())
 
-    def step_metrics(self, batch: RolloutBatch, train_metrics: dict[str, float], timer: Timer,
-                     sync_bytes: int) -> dict[str, float]:
+    def step_metrics(self, batch: RolloutBatch, inputs: dict[str, torch.Tensor], train_metrics: dict[str, float],
+                     timer: Timer, sync_bytes: int) -> dict[str, float]:
         """verl's metric names, over the whole step (leader), {} on the other trainer ranks."""
         p, cfg = self.placement, self.cfg
         whole = p.whole_batch(batch)
         if whole is None:
             return {}
         self.last_batch = whole
-        inputs = whole.model_inputs(p.roles.pad_id)
-        width = inputs["response_mask"].shape[1]
-        for key in UPDATE_COLUMNS:
-            if whole.has(key):
-                inputs[key] = whole.token_tensor(key, width)
+        if whole is not batch:  # several trainer ranks: the step's tensors again, for every row
+            inputs = whole.model_inputs(p.roles.pad_id)
+            width = inputs["response_mask"].shape[1]
+            for key in UPDATE_COLUMNS:
+                if whole.has(key):
+                    inputs[key] = whole.token_tensor(key, width)
         actor = p.roles.actor
         actor.allocator.probe()  # type: ignore[union-attr]
         step_seconds = timer.seconds["timing_s/step"]

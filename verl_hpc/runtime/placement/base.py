@@ -130,9 +130,12 @@ class Placement:
         return self.roles.critic.update(inputs, self.plan())  # type: ignore[union-attr]
 
     def sync_weights(self, version: int, changed: bool) -> int:
-        """New actor weights into the engine(s); returns the bytes this rank moved."""
+        """New actor weights into the engine(s); returns the bytes this rank moved.
+
+        An FSDP actor (colocated) is gathered one parameter at a time, every rank joining.
+        """
         from verl_hpc.roles.rollout import shares_module
-        from verl_hpc.roles.weight_sync import push_weights
+        from verl_hpc.roles.weight_sync import iter_full_params, push_weights
 
         engine, actor = self.roles.engine, self.roles.actor
         if shares_module(engine, actor.model):  # type: ignore[union-attr,arg-type]
@@ -140,7 +143,7 @@ class Placement:
             return 0
         if not changed:
             return 0
-        return push_weights(actor.model.named_parameters(), engine, version)  # type: ignore[union-attr]
+        return push_weights(iter_full_params(actor.model), engine, version)  # type: ignore[union-attr]
 
     def resume_weights(self, version: int) -> None:
         """After a restore: engines holding a copy get the restored weights once."""

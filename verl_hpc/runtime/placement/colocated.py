@@ -27,15 +27,3 @@ class Colocated(DistributedPlacement):
     def resume_weights(self, version: int) -> None:
         if self.trains:  # serving ranks (ref, critic, reward groups) hold no engine
             self.sync_weights(version, changed=True)
-
-    def sync_weights(self, version: int, changed: bool) -> int:
-        from verl_hpc.roles.rollout import shares_module
-        from verl_hpc.roles.weight_sync import iter_full_params, push_weights
-
-        engine, actor = self.roles.engine, self.roles.actor
-        if shares_module(engine, actor.model):  # type: ignore[union-attr,arg-type]
-            engine.policy_version = version  # type: ignore[union-attr]
-            return 0
-        if not changed:
-            return 0
-        return push_weights(iter_full_params(actor.model), engine, version)  # type: ignore[union-attr]
