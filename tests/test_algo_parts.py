@@ -4,7 +4,6 @@ length normalisation next to the other aggregation modes on one batch."""
 
 from __future__ import annotations
 
-import copy
 import math
 from pathlib import Path
 from types import SimpleNamespace
@@ -12,10 +11,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.test_runtime_embedded import _random_batch, quick_dict
+from tests.test_runtime_embedded import _random_batch, quick_dict, updates_at_micro_sizes
 from verl_hpc.algo import AdvantageInputs, aggregate_loss, get_estimator, get_policy_loss
 from verl_hpc.config import load_config
-from verl_hpc.roles.actor import Actor, UpdatePlan
 
 G = 9.0  # garbage in padded slots: must never reach a result
 
@@ -129,20 +127,12 @@ def test_dr_grpo_normalises_by_a_constant_unlike_the_other_modes() -> None:
 @pytest.mark.parametrize("loss_name", ["vanilla", "gspo"])
 def test_norm_mode_micro_batches_accumulate_to_the_full_batch(tiny_model_dir: Path, loss_name: str) -> None:
     """4 micro-batches of 4 give the gradient of one batch of 16 (KL term included)."""
-    from transformers import AutoModelForCausalLM
 
     algorithm = {"loss_agg_mode": "seq-mean-token-sum-norm", "policy_loss": loss_name}
     cfg = load_config(data={**quick_dict(tiny_model_dir), "algorithm": algorithm})
     inputs = _random_batch(tiny_model_dir)
     inputs["old_logprobs"] = -torch.rand_like(inputs["ref_logprobs"]) * 3  # ratios != 1: the clip matters
-    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    results = []
-    for micro in (16, 4):
-        model = copy.deepcopy(base)
-        actor = Actor(model, cfg.algorithm, cfg.trainer.actor_optim, total_steps=1)
-        stats = actor.update(dict(inputs), UpdatePlan(mini_batch_size=16, micro_batch_size=micro, epochs=1))
-        results.append((stats, {n: p.grad.clone() for n, p in model.named_parameters()}))
-    (s1, g1), (s2, g2) = results
+    (s1, g1), (s2, g2) = updates_at_micro_sizes(tiny_model_dir, cfg, inputs)
     assert abs(s1["pg_loss"] - s2["pg_loss"]) < 1e-6 and abs(s1["kl_loss"] - s2["kl_loss"]) < 1e-6
     for name in g1:
         assert torch.allclose(g1[name], g2[name], atol=1e-6, rtol=1e-4), name

@@ -80,6 +80,21 @@ def test_run_dir_is_never_overwritten(tmp_path: Path, tiny_model_dir: Path) -> N
     assert (tmp_path / "run").stat().st_mode & 0o777 == 0o700
 
 
+def updates_at_micro_sizes(model_dir: Path, cfg, inputs: dict[str, torch.Tensor],
+                           sizes: tuple[int, ...] = (16, 4)) -> list[tuple[dict[str, float], dict[str, torch.Tensor]]]:
+    """One actor update of a 16-row mini-batch per micro-batch size, from the same weights: (stats, grads)."""
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir)
+    results = []
+    for micro in sizes:
+        model = copy.deepcopy(base)
+        actor = Actor(model, cfg.algorithm, cfg.trainer.actor_optim, total_steps=1)
+        stats = actor.update(dict(inputs), UpdatePlan(mini_batch_size=16, micro_batch_size=micro, epochs=1))
+        results.append((stats, {n: p.grad.clone() for n, p in model.named_parameters()}))
+    return results
+
+
 def _random_batch(model_dir: Path, rows: int = 16, resp: int = 5) -> dict[str, torch.Tensor]:
     torch.manual_seed(1)
     ids = torch.randint(3, 60, (rows, 4 + resp))
@@ -97,18 +112,10 @@ def test_micro_batches_accumulate_to_the_same_update(tiny_model_dir: Path, agg: 
     Gradients, not weights, are compared: Adam's first step is ~lr*sign(g), so float noise
     on near-zero gradient entries may flip a sign without anything being wrong.
     """
-    from transformers import AutoModelForCausalLM
 
     cfg = load_config(data={**quick_dict(tiny_model_dir), "algorithm": {"loss_agg_mode": agg}})
     inputs = _random_batch(tiny_model_dir)
-    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    results = []
-    for micro in (16, 4):
-        model = copy.deepcopy(base)
-        actor = Actor(model, cfg.algorithm, cfg.trainer.actor_optim, total_steps=1)
-        stats = actor.update(dict(inputs), UpdatePlan(mini_batch_size=16, micro_batch_size=micro, epochs=1))
-        results.append((stats, {n: p.grad.clone() for n, p in model.named_parameters()}))
-    (s1, w1), (s2, w2) = results
+    (s1, w1), (s2, w2) = updates_at_micro_sizes(tiny_model_dir, cfg, inputs)
     assert abs(s1["pg_loss"] - s2["pg_loss"]) < 1e-6 and abs(s1["grad_norm"] - s2["grad_norm"]) < 1e-5
     for name in w1:
         assert torch.allclose(w1[name], w2[name], atol=1e-6, rtol=1e-4), name
