@@ -75,9 +75,18 @@ def stream_into(source: nn.Module, target: nn.Module) -> int:
 
 
 def gather_only(model: nn.Module) -> None:
-    """Trainer ranks outside the sync group: join each parameter's gather, send nothing."""
-    for _ in iter_full_params(model):
-        pass
+    """Trainer ranks outside the sync group: join each parameter's gather, send nothing.
+
+    Each gathered tensor is kept until the next gather has completed rather than freed the
+    moment its collective returns: a gloo rank that frees a collective's output at once
+    races the transport's I/O thread still releasing it (pytorch/pytorch#75528); CI saw
+    this rank die in this loop with "malloc(): unaligned tcache chunk detected". The sender
+    keeps its tensors alive for the broadcast anyway, and this costs one parameter's memory.
+    """
+    held: torch.Tensor | None = None
+    for _, tensor in iter_full_params(model):
+        held = tensor
+    del held
 
 
 def _buckets(names_sizes: list[tuple[str, int]], bucket_bytes: int, alone_bytes: int | None = None,
