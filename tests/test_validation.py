@@ -32,20 +32,40 @@ def config(model: Path, val: Path, steps: int = 4) -> dict:
     return data
 
 
+# Where validation generates and scores: the trainers' engines (one process, colocated), the
+# rollout group with the reward beside it (split), the rollout group 2 steps ahead with the
+# reward in a group of its own, which serves one exchange more for each validated step.
+PLACEMENTS = {
+    "one_process": {"actor": {"device_ids": [0], "strategy": "hf"}},
+    "colocated_2": {"actor": {"device_ids": [0, 1], "strategy": "fsdp"}},
+    "split_1_1": {"actor": {"device_ids": [0], "strategy": "hf"}, "rollout": {"device_ids": [1]},
+                  "placement": "split"},
+    "split_reward_group_ahead": {"actor": {"device_ids": [0, 1], "strategy": "fsdp"},
+                                 "rollout": {"device_ids": [2, 3]}, "reward": {"device_ids": [4], "strategy": "none"},
+                                 "placement": "split"},
+}
+
+
+def placed(data: dict, name: str) -> dict:
+    data["resources"].update(PLACEMENTS[name])
+    if name == "split_reward_group_ahead":
+        data["algorithm"]["max_staleness"] = 2
+    return data
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("devices", [[0], [0, 1]], ids=["one_process", "colocated_2"])
-def test_validation_before_during_and_after(tmp_path: Path, tiny_model_dir: Path, devices: list[int]) -> None:
+@pytest.mark.parametrize("name", list(PLACEMENTS))
+def test_validation_before_during_and_after(tmp_path: Path, tiny_model_dir: Path, name: str) -> None:
     import yaml
 
-    data = config(tiny_model_dir, val_file(tmp_path))
-    data["resources"]["actor"] = {"device_ids": devices, "strategy": "fsdp" if len(devices) > 1 else "hf"}
+    data = placed(config(tiny_model_dir, val_file(tmp_path), steps=5), name)
     path = tmp_path / "cfg.yaml"
     path.write_text(yaml.safe_dump(data))
     proc = run_cli("train", str(path), "--run-dir", str(tmp_path / "run"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = read_jsonl_metrics(tmp_path / "run" / "tensorboard" / "metrics.jsonl")
     validated = {r["step"]: r[KEY] for r in rows if KEY in r}
-    assert sorted(validated) == [0, 2, 4]  # before training, every test_freq steps, after the last
+    assert sorted(validated) == [0, 2, 4, 5]  # before training, every test_freq steps, after the last
     assert all(0.0 <= v <= 1.0 for v in validated.values())
     assert f"validation:    {KEY}" in proc.stdout  # the end-of-run summary
 
@@ -57,25 +77,22 @@ def test_greedy_validation_is_the_same_on_one_process_and_two(tmp_path: Path, ti
 
     val = val_file(tmp_path)
     results = []
-    for devices in ([0], [0, 1]):
-        data = config(tiny_model_dir, val, steps=1)
-        data["resources"]["actor"] = {"device_ids": devices, "strategy": "fsdp" if len(devices) > 1 else "hf"}
-        run_dir = tmp_path / f"run{len(devices)}"
+    for name in PLACEMENTS:
+        data = placed(config(tiny_model_dir, val, steps=1), name)
+        run_dir = tmp_path / name
         train(load_config(data=data), run_dir)
         results.append(read_jsonl_metrics(run_dir / "tensorboard" / "metrics.jsonl")[0])
-    assert results[0]["step"] == results[1]["step"] == 0
-    assert results[0][KEY] == results[1][KEY]
+    assert [r["step"] for r in results] == [0] * len(PLACEMENTS)
+    assert len({r[KEY] for r in results}) == 1, results
 
 
-def test_validation_needs_files_and_an_engine_beside_the_trainer(tmp_path: Path, tiny_model_dir: Path) -> None:
+def test_validation_needs_readable_files(tmp_path: Path, tiny_model_dir: Path) -> None:
     data = quick_dict(tiny_model_dir)
     data["trainer"]["test_freq"] = 5
     with pytest.raises(ConfigError, match="trainer.test_freq: validation needs prompts"):
         load_config(data=data)
-    data = config(tiny_model_dir, val_file(tmp_path))
-    data["resources"].update(placement="split", rollout={"device_ids": [1]})
-    with pytest.raises(ConfigError, match="data.val_files: validation runs on the trainer ranks"):
-        load_config(data=data)
+    for name in PLACEMENTS:  # every placement validates
+        load_config(data=placed(config(tiny_model_dir, val_file(tmp_path)), name))
     data = config(tiny_model_dir, tmp_path / "missing.parquet")
     with pytest.raises(ConfigError, match=r"data.val_files\[0\]: .* does not exist"):
         load_config(data=data)

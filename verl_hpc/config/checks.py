@@ -282,8 +282,8 @@ def _check_trusted_file(path: Path, field: str) -> None:
 
 
 def _check_validation(cfg: RunConfig) -> None:
-    """Validation generates on the trainer ranks' own engines and scores with a local reward."""
-    data, trainer, res = cfg.data, cfg.trainer, cfg.resources
+    """Validation files exist and are readable; every placement validates (runtime/validation.py)."""
+    data, trainer = cfg.data, cfg.trainer
     if not data.val_files:
         if trainer.test_freq is not None or trainer.val_before_train:
             field = "trainer.test_freq" if trainer.test_freq is not None else "trainer.val_before_train"
@@ -298,13 +298,6 @@ def _check_validation(cfg: RunConfig) -> None:
         if not path.exists() or not os.access(path, os.R_OK):
             raise FieldError(f"data.val_files[{i}]", f"{name} does not exist or is not readable",
                              "check the path and permissions")
-    if res.placement == "split":
-        raise FieldError("data.val_files", "validation runs on the trainer ranks' engines; in split placement "
-                         "the engines live in the rollout group", "use resources.placement: colocated for a run "
-                         "with validation, or remove data.val_files")
-    if res.reward is not None and res.reward.device_ids != res.actor.device_ids:
-        raise FieldError("data.val_files", "validation scores on the trainer ranks; this reward runs in a group "
-                         "of its own", "remove resources.reward (the reward then runs beside the trainers)")
 
 
 def _check_roles(cfg: RunConfig) -> None:

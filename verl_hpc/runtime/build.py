@@ -206,7 +206,7 @@ def build_roles(cfg: RunConfig, run_dir: Path, spec: BuildSpec, actor_model: Any
             roles.reward = build_reward(cfg, tokenizer, spec.device, reward_model)
     if "reward" in spec.hosted and roles.reward is None:
         roles.reward = build_reward(cfg, tokenizer, spec.device, reward_model)
-    if cfg.data.val_files and "actor" in spec.hosted and "rollout" in spec.hosted:
+    if cfg.data.val_files and ("actor" in spec.hosted or "rollout" in spec.hosted):  # generating, or counting rows
         roles.val_dataset, roles.val_prompt_ids = load_dataset(
             cfg, run_dir, tokenizer, [expand_path(f) for f in cfg.data.val_files])
     trainer = cfg.trainer

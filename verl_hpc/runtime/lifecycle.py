@@ -112,8 +112,8 @@ class RunLifecycle:
         if p.is_leader:
             log.info("training %s for %d steps in %s", cfg.algorithm.name, cfg.trainer.total_steps, self.run_dir)
         try:
-            if trainer.step == 0 and p.trains and validation.due(cfg, 0):
-                before = validation.validate(p, trainer.policy_version)
+            if trainer.step == 0 and validation.due(cfg, 0):
+                before = self.validate()
                 if logger is not None:
                     logger.log_scalars(0, before)
                     log.info("validation before training: %s", _brief(before))
@@ -139,8 +139,8 @@ class RunLifecycle:
                 if self.checkpointer is not None and (signum or resizing):
                     self.checkpointer.requested = True
             self.maybe_save(metrics)  # trainer ranks, and a critic group's ranks that share the checkpoint
-            if p.trains and validation.due(cfg, trainer.step):
-                metrics.update(validation.validate(p, trainer.policy_version))
+            if validation.due(cfg, trainer.step):
+                metrics.update(self.validate())
             if p.is_leader:
                 self.log_step(metrics, logger, progress)
                 outcome.metrics = metrics
@@ -155,6 +155,14 @@ class RunLifecycle:
                 return self.stop_for_signal(signum, outcome)
         self.finish()
         return outcome
+
+    def validate(self) -> dict[str, float]:
+        """Trainer ranks validate (the leader gets the metrics); serving ranks do their part."""
+        p, step = self.placement, self.trainer.step
+        if p.trains:
+            return validation.validate(p, self.trainer.policy_version, step)
+        p.serve_validation(step)
+        return {}
 
     def log_step(self, metrics: dict[str, float], logger: MetricsLogger | None, progress: Progress | None) -> None:
         cfg, step = self.cfg, self.trainer.step

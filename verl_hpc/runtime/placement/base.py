@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from verl_hpc.config import RunConfig
-from verl_hpc.data.layout import rank_rows
+from verl_hpc.data.layout import even_slices, rank_rows
 from verl_hpc.data.rollout_batch import RolloutBatch
 from verl_hpc.roles.actor import UpdatePlan
 from verl_hpc.roles.allocator import generate_guarded
@@ -27,6 +27,7 @@ from verl_hpc.roles.forward import batched_logprobs
 from verl_hpc.roles.rollout.replay import is_replay, write_record
 from verl_hpc.runtime.build import Roles
 from verl_hpc.runtime.signals import StopFlag
+from verl_hpc.runtime.validation import validation_rows
 
 
 class Timer:
@@ -209,6 +210,24 @@ class Placement:
     def serve(self, step: int, indices: list[int], timer: Timer) -> bool:
         """A non-trainer rank's part of `step`; False once the trainers said stop."""
         raise NotImplementedError(f"the {self.name} placement has no service ranks")
+
+    # --- validation (runtime/validation.py) -----------------------------------------------------
+    def validation_rollouts(self, step: int, policy_version: int) -> RolloutBatch:
+        """This trainer rank's validation rows, generated on its own engine."""
+        total = len(self.roles.val_prompt_ids or [])
+        start, end = even_slices(total, self.world, self.rank)
+        return validation_rows(self.roles, self.cfg, start, end, policy_version, step)
+
+    def score_validation(self, batch: RolloutBatch) -> RolloutBatch:
+        """Scores for rows not scored where they were generated (every trainer rank calls it)."""
+        scored = self.score(batch, Timer())
+        if scored is None or (len(scored) and scored.column("score").null_count):
+            raise RuntimeError("validation rows came back unscored")
+        return scored
+
+    def serve_validation(self, step: int) -> bool:
+        """A non-trainer rank's part of the validation after `step` (runtime/validation.py: `due`)."""
+        return True
 
     def stop_services(self) -> None:
         """Trainer side: tell every serving rank to leave its loop (best effort)."""

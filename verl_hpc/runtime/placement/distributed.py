@@ -92,6 +92,12 @@ class DistributedPlacement(Placement):
             raise RuntimeError(f"group {self.ctx.group.name!r} has nothing to serve")
         return self.service.serve_step(step)
 
+    def serve_validation(self, step: int) -> bool:
+        """A reward group scores the validation rows too: one exchange more, after the step's."""
+        if self.service is not None and self.service.role == "reward":
+            return self.service.serve_step(step)
+        return True
+
     def stop_services(self) -> None:
         for client in self.clients.values():
             client.stop()

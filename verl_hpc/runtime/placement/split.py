@@ -27,6 +27,7 @@ from verl_hpc.roles.weight_sync import (
     push_weights,
     receive_weights,
 )
+from verl_hpc.runtime import validation
 from verl_hpc.runtime.placement.base import Timer, generate_rows
 from verl_hpc.runtime.placement.distributed import DistributedPlacement
 from verl_hpc.runtime.step_metrics import sync_metrics
@@ -34,6 +35,11 @@ from verl_hpc.utils.logging import get_logger
 
 log = get_logger("placement")
 BUFFER_FILE = "rollout_buffer.arrow"  # rollouts generated ahead (max_staleness > 0), Arrow IPC
+
+
+def val_key(trained: int) -> int:
+    """The `step` stamped on validation rows after step `trained` (negative: never a training step)."""
+    return -1 - trained
 
 
 class _BufferedSteps:
@@ -123,11 +129,30 @@ class Split(DistributedPlacement):
 
 
     def sync_weights(self, version: int, changed: bool) -> int:
-        """Every step (the rollout ranks expect it), until the rollout has generated its last batch."""
-        last_needed = self.cfg.trainer.total_steps - self.cfg.algorithm.max_staleness - 1
-        if self.trainer_step > last_needed:
+        """Every step (the rollout ranks expect it) until the rollout has generated its last batch;
+        after that only for a step that is validated (`validation_tail`)."""
+        if self.trainer_step > self.last_needed() and not validation.due(self.cfg, self.trainer_step):
             return 0
         return self.send_split(version)
+
+    def last_needed(self) -> int:
+        """The last step whose weights the rollout needs for training rollouts."""
+        return self.cfg.trainer.total_steps - self.cfg.algorithm.max_staleness - 1
+
+    def validation_rollouts(self, step: int, policy_version: int) -> RolloutBatch:
+        """The rollout group generated them with this step's weights; the leader hands out slices."""
+        payload: list[Any] = [None]
+        if self.is_leader:
+            key = val_key(step)
+            expected = len(self.roles.val_prompt_ids or []) * self.cfg.trainer.val_n
+            while self.rows_pending(key) < expected:
+                self.pull_rollout(key)
+            payload = [RolloutBatch.concat(self.pending.pop(key, [])).sorted_by_row().to_ipc()]
+        if self.world > 1:
+            dist.broadcast_object_list(payload, src=self.leader, group=self.ctx.process_group)
+        full = RolloutBatch.from_ipc(payload[0])
+        start, end = even_slices(len(full), self.world, self.rank)
+        return full.take(list(range(start, end)))
 
     def send_split(self, version: int) -> int:
         group = self.ctx.sync_groups.get("rollout")
@@ -176,6 +201,11 @@ class Split(DistributedPlacement):
         if not self.ctx.is_role("rollout"):
             return super().serve(step, indices, timer)
         self.heartbeat.enter(f"step {step} rollout")
+        if not self.serve_rollout(step, indices, timer):
+            return False
+        return step < self.cfg.trainer.total_steps or self.validation_tail()
+
+    def serve_rollout(self, step: int, indices: list[int], timer: Timer) -> bool:
         lag = self.cfg.algorithm.max_staleness
         if step <= self.resume_step + self.buffered_steps:
             return True  # this step's rollouts were restored from the checkpoint
@@ -183,6 +213,9 @@ class Split(DistributedPlacement):
             with timer("update_weights"):
                 if self.receive_split() == STOP_VERSION:
                     return False
+            self.put_validation(step - lag - 1)  # these weights are trainer step (step - lag - 1)'s
+        elif step == 1:
+            self.put_validation(0)
         n = self.cfg.algorithm.sampling.n
         start, end = even_slices(len(indices), self.ctx.group.size, self.ctx.rank_in_group)
         rows = [g * n + j for g in range(start, end) for j in range(n)]
@@ -198,6 +231,31 @@ class Split(DistributedPlacement):
             self.rollout_logger.log_scalars(step, {**timer.seconds, **synced, "rollout/policy_version":
                                                    float(self.roles.engine.policy_version)})  # type: ignore[union-attr]
         return True
+
+    def validation_tail(self) -> bool:
+        """After its last training batch: the weights of each later validated step, validated."""
+        first = max(self.last_needed() + 1, self.resume_step + 1)
+        for trained in range(first, self.cfg.trainer.total_steps + 1):
+            if validation.due(self.cfg, trained):
+                if self.receive_split() == STOP_VERSION:
+                    return False
+                self.put_validation(trained)
+        return True
+
+    def put_validation(self, trained: int) -> None:
+        """Rollout ranks: their slice of the validation prompts, if `trained` is a validated step."""
+        if not validation.due(self.cfg, trained):
+            return
+        self.heartbeat.enter(f"step {trained} validation")
+        total = len(self.roles.val_prompt_ids or [])
+        start, end = even_slices(total, self.ctx.group.size, self.ctx.rank_in_group)
+        batch = validation.validation_rows(self.roles, self.cfg, start, end,
+                                           self.roles.engine.policy_version, val_key(trained))  # type: ignore[union-attr]
+        if len(batch):
+            try:
+                self.flight_client.put(batch)
+            except Exception:  # the trainer shut its server down: a stop, seen at the next receive
+                log.info("validation rows for step %d not delivered: the trainer stopped", trained)
 
     def receive_split(self) -> int:
         """The newest weights into the engine; returns their version (STOP_VERSION: stop)."""
