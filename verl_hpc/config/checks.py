@@ -209,6 +209,11 @@ def _paths(schema) -> str:
 
 def _check_reward(cfg: RunConfig) -> None:
     reward = cfg.reward
+    overlong, limit = reward.overlong_buffer, cfg.algorithm.sampling.max_new_tokens
+    if overlong.enable and not 0 < overlong.len <= limit:
+        raise FieldError("reward.overlong_buffer.len", f"{overlong.len} is not within 1..{limit} "
+                         "(algorithm.sampling.max_new_tokens)", "set the buffer to the last tokens before the "
+                         "limit, e.g. a quarter of max_new_tokens")
     if reward.model_path is not None:
         if not (expand_path(reward.model_path) / "config.json").is_file():
             raise FieldError("reward.model_path", f"{reward.model_path} is not a model directory",

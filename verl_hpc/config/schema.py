@@ -71,6 +71,15 @@ class DataConfig(StrictModel):
                                         "train on its responses instead of sampling (placement checks)")
 
 
+class OverlongBufferConfig(StrictModel):
+    """DAPO's soft overlong punishment (verl's `reward_model.overlong_buffer`)."""
+
+    enable: bool = False
+    len: int = Field(0, ge=0, description="the last `len` tokens before sampling.max_new_tokens, over which "
+                     "the penalty grows from 0 to -penalty_factor")
+    penalty_factor: float = Field(1.0, ge=0.0)
+
+
 class CustomRewardFunction(StrictModel):
     """verl's `custom_reward_function`: a Python file and the function in it."""
 
@@ -94,6 +103,8 @@ class RewardConfig(StrictModel):
                              "Python: math checks, code execution); 1 = in the scoring process")
     timeout_seconds: float = Field(60.0, gt=0.0, description="with num_workers > 1: a call running longer "
                                    "is killed, scores 0 and counts in `reward/timeouts`")
+    overlong_buffer: OverlongBufferConfig = Field(default_factory=OverlongBufferConfig,
+                                                  description="DAPO: penalise responses near the length limit")
 
     @model_validator(mode="after")
     def _one_source(self) -> RewardConfig:

@@ -28,6 +28,7 @@ from verl_hpc.roles.allocator import ResourceAllocator
 from verl_hpc.roles.critic import Critic, ValueModel
 from verl_hpc.roles.fsdp import shard_model
 from verl_hpc.roles.reward import ModelReward, RuleReward
+from verl_hpc.roles.reward_shaping import OverlongShapedReward
 from verl_hpc.roles.rollout import RolloutEngine, build_engine
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -59,8 +60,9 @@ class Roles:
     def close(self) -> None:
         if self.engine is not None:
             self.engine.close()
-        if isinstance(self.reward, RuleReward):
-            self.reward.close()  # its pool processes, if any
+        close = getattr(self.reward, "close", None)
+        if close is not None:
+            close()  # a rule reward's pool processes, if any
 
 
 @dataclass
@@ -150,8 +152,17 @@ def load_dataset(cfg: RunConfig, run_dir: Path, tokenizer,
     return dataset, ids
 
 
-def build_reward(cfg: RunConfig, tokenizer, device: torch.device, override: Any = None) -> RuleReward | ModelReward:
-    """The rule function or reward model (`override`: the facade's `reward_model=` object)."""
+def build_reward(cfg: RunConfig, tokenizer, device: torch.device, override: Any = None) -> Any:
+    """The rule function or reward model (`override`: the facade's `reward_model=` object),
+    with DAPO's overlong penalty on top when `reward.overlong_buffer.enable`."""
+    base = _base_reward(cfg, tokenizer, device, override)
+    overlong = cfg.reward.overlong_buffer
+    if not overlong.enable:
+        return base
+    return OverlongShapedReward(base, cfg.algorithm.sampling.max_new_tokens, overlong.len, overlong.penalty_factor)
+
+
+def _base_reward(cfg: RunConfig, tokenizer, device: torch.device, override: Any = None) -> RuleReward | ModelReward:
     reward = cfg.reward
     on_error = reward.on_error
     if override is not None:
