@@ -13,6 +13,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from verl_hpc.config.base import StrictModel
+from verl_hpc.config.dpo import DPOConfig
 from verl_hpc.config.presets import PRESETS, expand_preset
 from verl_hpc.config.resources import ResourceConfig
 
@@ -20,7 +21,7 @@ from verl_hpc.config.resources import ResourceConfig
 class TaskConfig(StrictModel):
     """A built-in synthetic task that writes its own prompt file (see verl_hpc.data.tasks)."""
 
-    name: Literal["arithmetic"] = "arithmetic"
+    name: Literal["arithmetic", "arithmetic_preference"] = "arithmetic"
     num_prompts: int = Field(512, ge=1)
     max_operand: int = Field(4, ge=1, le=9)
     seed: int = 0
@@ -74,10 +75,10 @@ class DataConfig(StrictModel):
 class OverlongBufferConfig(StrictModel):
     """DAPO's soft overlong punishment (verl's `reward_model.overlong_buffer`)."""
 
-    enable: bool = False
+    enable: bool = Field(False, description="add the penalty to every score (DAPO)")
     len: int = Field(0, ge=0, description="the last `len` tokens before sampling.max_new_tokens, over which "
                      "the penalty grows from 0 to -penalty_factor")
-    penalty_factor: float = Field(1.0, ge=0.0)
+    penalty_factor: float = Field(1.0, ge=0.0, description="the penalty at the limit (its negative)")
 
 
 class CustomRewardFunction(StrictModel):
@@ -145,7 +146,8 @@ class KLConfig(StrictModel):
     in_reward: bool = False
 
 
-PRESET_ESTIMATORS = {name: preset["adv_estimator"] for name, preset in PRESETS.items()}  # algorithm.name -> estimator
+# algorithm.name -> estimator (None for dpo, which has none)
+PRESET_ESTIMATORS = {name: preset.get("adv_estimator") for name, preset in PRESETS.items()}
 LOSS_AGG_MODES = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
 
 
@@ -153,7 +155,8 @@ class AlgorithmConfig(StrictModel):
     """`name` is a preset (config/presets.py) that fills the fields left unset; `adv_estimator` and
     `policy_loss` name registered parts (verl_hpc.algo)."""
 
-    name: Literal["grpo", "ppo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo"] = Field(
+    name: Literal["grpo", "ppo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo",
+                  "dpo"] = Field(
         "grpo", description="preset: fills the building blocks left unset with its paper's defaults "
         "(docs/algorithms.md); `config show` prints the expansion")
     adv_estimator: str | None = Field(None, description="registered advantage estimator (`grpo`, `gae`, `rloo`, "
@@ -179,6 +182,8 @@ class AlgorithmConfig(StrictModel):
     micro_batch_size: int | None = Field(None, ge=1, description="sequences per forward pass")
     critic_warmup_steps: int = Field(0, ge=0)
     max_staleness: int = Field(0, ge=0)
+    dpo: DPOConfig | None = Field(None, description="DPO's loss (algorithm.name: dpo fills it in): "
+                                  "beta, loss_type sigmoid | ipo, label_smoothing")
 
     @model_validator(mode="before")
     @classmethod
@@ -187,7 +192,7 @@ class AlgorithmConfig(StrictModel):
 
     @model_validator(mode="after")
     def _expand_preset(self) -> AlgorithmConfig:
-        if self.adv_estimator is None:
+        if self.adv_estimator is None and PRESET_ESTIMATORS[self.name] is not None:  # dpo has none
             self.adv_estimator = PRESET_ESTIMATORS[self.name]
         return self
 
@@ -199,11 +204,11 @@ class AlgorithmConfig(StrictModel):
 
     @property
     def needs_critic(self) -> bool:
-        return self.estimator.needs_critic
+        return self.dpo is None and self.estimator.needs_critic
 
     @property
     def needs_ref(self) -> bool:
-        return self.kl.estimator != "off" and self.kl.coef > 0
+        return self.dpo is not None or (self.kl.estimator != "off" and self.kl.coef > 0)  # DPO: the frozen ref
 
 
 class OptimConfig(StrictModel):
@@ -279,7 +284,7 @@ class RunConfig(StrictModel):
                                "imported first in every process: register estimators/losses there")
     model: ModelConfig
     data: DataConfig = Field(default_factory=DataConfig)
-    reward: RewardConfig
+    reward: RewardConfig | None = None  # required unless algorithm.name: dpo (config/checks.py)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     resources: ResourceConfig = Field(default_factory=ResourceConfig)
