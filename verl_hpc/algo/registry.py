@@ -41,6 +41,7 @@ class AdvantageInputs:
     values: Tensor | None   # [B, R] critic values (estimators that need a critic)
     algo: Any               # the run's AlgorithmConfig (gamma, lam, norm_adv_by_std, ...)
     reduce_sum: Reducer = local_sum
+    baselines: Tensor | None = None  # [B] score of the prompt's greedy response (`greedy_baseline`)
 
 
 Estimator = Callable[[AdvantageInputs], tuple[Tensor, Tensor]]
@@ -57,6 +58,7 @@ class EstimatorSpec:
     min_group_size: int = 1         # samples per prompt (algorithm.sampling.n) at least
     token_rewards: bool = False     # reads token_rewards, so a KL penalty in the reward is meaningful
     doc: str = ""
+    greedy_baseline: bool = False   # one greedy response per prompt is generated and scored (ReMax)
 
 
 @dataclass(frozen=True)
@@ -73,7 +75,8 @@ POLICY_LOSSES: dict[str, PolicyLossSpec] = {}
 
 
 def register_estimator(name: str, *, needs_critic: bool = False, whole_groups: bool = False,
-                       min_group_size: int = 1, token_rewards: bool = False) -> Callable[[Estimator], Estimator]:
+                       min_group_size: int = 1, token_rewards: bool = False,
+                       greedy_baseline: bool = False) -> Callable[[Estimator], Estimator]:
     """Decorator: `@register_estimator("grpo", whole_groups=True, min_group_size=2)`."""
 
     def add(fn: Estimator) -> Estimator:
@@ -81,7 +84,8 @@ def register_estimator(name: str, *, needs_critic: bool = False, whole_groups: b
             raise ValueError(f"an advantage estimator named {name!r} is already registered "
                              f"({ESTIMATORS[name].compute.__module__})")
         ESTIMATORS[name] = EstimatorSpec(name, fn, needs_critic, whole_groups, min_group_size, token_rewards,
-                                         (fn.__doc__ or "").strip().splitlines()[0] if fn.__doc__ else "")
+                                         (fn.__doc__ or "").strip().splitlines()[0] if fn.__doc__ else "",
+                                         greedy_baseline)
         return fn
 
     return add

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from verl_hpc.config.errors import FieldError
+from verl_hpc.config.placement import plan_for_config
 
 if TYPE_CHECKING:
     from verl_hpc.config.schema import RunConfig
@@ -71,6 +72,11 @@ def _check_algorithm(cfg: RunConfig) -> None:
         raise FieldError("algorithm.kl.in_reward", "the KL penalty needs the reference model, but "
                          f"kl.estimator={algo.kl.estimator} and kl.coef={algo.kl.coef:g} turn it off",
                          "set algorithm.kl.coef > 0 and an estimator (k1, k2, k3)")
+    if spec.greedy_baseline and cfg.resources.reward is not None and any(
+            g.name == "reward" for g in plan_for_config(cfg).groups):
+        raise FieldError("resources.reward", f"the {spec.name} estimator scores each prompt's greedy response "
+                         "where it is generated, and this reward runs in a group of its own",
+                         "remove resources.reward (the reward then runs beside the rollout engine)")
 
 
 def _check_batches(cfg: RunConfig) -> None:

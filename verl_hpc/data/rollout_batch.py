@@ -32,6 +32,7 @@ SCHEMA = pa.schema([
     pa.field("data_source", pa.string()),  # the dataset's `data_source` (verl's reward_fn_key)
     pa.field("extra_info", pa.string()),   # the dataset's `extra_info`, as JSON text (any shape)
     pa.field("score", pa.float32()),
+    pa.field("baseline_score", pa.float32()),  # the prompt's greedy response's score (ReMax)
     *[pa.field(name, pa.list_(pa.float32())) for name in TOKEN_FLOAT_COLUMNS],
 ])
 
@@ -123,7 +124,7 @@ def _upgrade(batch: pa.RecordBatch) -> pa.RecordBatch:
     """Batches saved by an earlier version (checkpointed rollout buffers, recorded rollouts).
 
     `sample_index` is derived from the row order; a nullable column that did not exist yet
-    (`data_source`, `extra_info`) is all nulls, which is what a dataset without it gives.
+    (`data_source`, `extra_info`, `baseline_score`) is all nulls, which is what a dataset without it gives.
     """
     names = set(batch.schema.names)
     if all(f.name in names for f in SCHEMA):
@@ -196,6 +197,7 @@ class RolloutBatch:
             "extra_info": pa.array(list(extra_info), pa.string()) if extra_info is not None
             else pa.nulls(n, pa.string()),
             "score": pa.nulls(n, pa.float32()),
+            "baseline_score": pa.nulls(n, pa.float32()),
         }
         for name in TOKEN_FLOAT_COLUMNS:
             columns[name] = pa.nulls(n, pa.list_(pa.float32()))
@@ -238,6 +240,13 @@ class RolloutBatch:
     def token_tensor(self, name: str, width: int) -> torch.Tensor:
         """A per-token float column as a right-padded [B, width] tensor."""
         return padded(self.column(name), width, pad=0.0, dtype=torch.float32)
+
+    def baseline_scores(self) -> torch.Tensor:
+        """[B] greedy-baseline scores (ReMax); an error if the rows came without them."""
+        column = self.column("baseline_score")
+        if column.null_count:
+            raise ValueError("rows without baseline_score: the greedy baseline was not generated")
+        return torch.from_numpy(column.to_numpy(zero_copy_only=False).astype(np.float32))
 
     def scores(self) -> torch.Tensor:
         return torch.from_numpy(self.column("score").to_numpy(zero_copy_only=False).astype(np.float32))

@@ -134,7 +134,8 @@ class RLTrainer:
         group_ids = torch.from_numpy(batch.column("group_id").to_numpy()).to(mask.device)
         advantages, returns = algo.estimator.compute(AdvantageInputs(
             scores=scores, group_ids=group_ids, response_mask=mask, token_rewards=token_rewards,
-            values=inputs.get("values"), algo=algo, reduce_sum=self.placement.reduce_sum))
+            values=inputs.get("values"), algo=algo, reduce_sum=self.placement.reduce_sum,
+            baselines=batch.baseline_scores().to(mask.device) if algo.estimator.greedy_baseline else None))
         inputs.update(advantages=advantages.float(), returns=returns.float(), token_rewards=token_rewards.float())
 
     def step_metrics(self, batch: RolloutBatch, inputs: dict[str, torch.Tensor], train_metrics: dict[str, float],

@@ -25,6 +25,7 @@ from verl_hpc.roles.actor import UpdatePlan
 from verl_hpc.roles.allocator import generate_guarded
 from verl_hpc.roles.forward import batched_logprobs
 from verl_hpc.roles.rollout.replay import is_replay, write_record
+from verl_hpc.runtime.baselines import add_greedy_baselines
 from verl_hpc.runtime.build import Roles
 from verl_hpc.runtime.signals import StopFlag
 from verl_hpc.runtime.validation import validation_rows
@@ -69,6 +70,8 @@ def generate_rows(roles: Roles, cfg: RunConfig, step: int, indices: list[int], r
         policy_version=policy_version, step=step, sample_index=samples,
         data_source=[dataset.data_sources[i] for i in prompt_index],
         extra_info=[dataset.extra_infos[i] for i in prompt_index])
+    if cfg.algorithm.estimator.greedy_baseline:  # before the rows' own scoring: its metrics are theirs
+        batch = add_greedy_baselines(roles, cfg, batch)
     if roles.reward is not None and len(batch):
         batch = batch.with_columns(score=roles.reward.score(batch))
     return batch
