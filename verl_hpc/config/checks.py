@@ -77,6 +77,28 @@ def _check_algorithm(cfg: RunConfig) -> None:
         raise FieldError("resources.reward", f"the {spec.name} estimator scores each prompt's greedy response "
                          "where it is generated, and this reward runs in a group of its own",
                          "remove resources.reward (the reward then runs beside the rollout engine)")
+    _check_filter_groups(cfg)
+
+
+def _check_filter_groups(cfg: RunConfig) -> None:
+    """Dynamic sampling filters whole groups on each trainer rank, one round after another."""
+    algo = cfg.algorithm
+    if not algo.filter_groups.enable:
+        return
+    field = "algorithm.filter_groups.enable"
+    if not algo.estimator.whole_groups or algo.sampling.n < 2:
+        raise FieldError(field, f"dynamic sampling drops groups whose {algo.sampling.n} scores are all equal; "
+                         f"it needs a group-relative estimator (not {algo.adv_estimator}) and sampling.n >= 2",
+                         "use adv_estimator: grpo (algorithm.name: dapo) with n >= 2, or disable it")
+    if algo.max_staleness:
+        raise FieldError(field, "the rollout cannot run ahead when each round waits for the scores of the "
+                         "last one", "set algorithm.max_staleness: 0")
+    if any(g.name == "reward" for g in plan_for_config(cfg).groups):
+        raise FieldError(field, "a reward group of its own cannot serve a number of rounds known only at run "
+                         "time", "remove resources.reward (the reward then runs beside the rollout engine)")
+    if cfg.data.replay_rollouts:
+        raise FieldError(field, "recorded rollouts hold one round per step",
+                         "replay a run without dynamic sampling, or remove data.replay_rollouts")
 
 
 def _check_batches(cfg: RunConfig) -> None:

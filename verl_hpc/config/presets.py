@@ -31,6 +31,12 @@ PRESETS: dict[str, dict[str, Any]] = {
     # Zheng et al. 2025: sequence ratio, clip ranges 3e-4 / 4e-4, mean over sequences.
     "gspo": {"adv_estimator": "grpo", "policy_loss": "gspo", "clip_ratio_low": 3e-4, "clip_ratio_high": 4e-4,
              "loss_agg_mode": "seq-mean-token-mean"},
+    # Yu et al. 2025: clip-higher (0.2 / 0.28), token-level loss, dynamic sampling, no KL term.
+    # The paper's overlong reward shaping sits in the reward section: reward.overlong_buffer.
+    "dapo": {"adv_estimator": "grpo", "policy_loss": "vanilla", "clip_ratio_low": 0.2, "clip_ratio_high": 0.28,
+             "loss_agg_mode": "token-mean", "filter_groups": {"enable": True}, "kl": {"coef": 0.0}},
+    # Li et al. 2023: the greedy response's score as baseline; KL in the reward (as verl's example).
+    "remax": {"adv_estimator": "remax", "policy_loss": "vanilla", "kl": _KL_IN_REWARD},
 }
 
 

@@ -146,6 +146,16 @@ class KLConfig(StrictModel):
     in_reward: bool = False
 
 
+class FilterGroupsConfig(StrictModel):
+    """DAPO's dynamic sampling (verl's `algorithm.filter_groups`)."""
+
+    enable: bool = Field(False, description="drop prompt groups whose scores are all equal (no signal for "
+                         "a group-relative estimator) and generate more prompts until the batch is full")
+    max_num_gen_batches: int = Field(10, ge=1, description="at most this many generation rounds per step "
+                                     "(each of trainer.batch_size / sampling.n prompts); fewer informative "
+                                     "groups then stop the run with an error")
+
+
 # algorithm.name -> estimator (None for dpo, which has none)
 PRESET_ESTIMATORS = {name: preset.get("adv_estimator") for name, preset in PRESETS.items()}
 LOSS_AGG_MODES = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
@@ -155,8 +165,8 @@ class AlgorithmConfig(StrictModel):
     """`name` is a preset (config/presets.py) that fills the fields left unset; `adv_estimator` and
     `policy_loss` name registered parts (verl_hpc.algo)."""
 
-    name: Literal["grpo", "ppo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo",
-                  "dpo"] = Field(
+    name: Literal["grpo", "ppo", "dr_grpo", "dapo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo",
+                  "remax", "dpo"] = Field(
         "grpo", description="preset: fills the building blocks left unset with its paper's defaults "
         "(docs/algorithms.md); `config show` prints the expansion")
     adv_estimator: str | None = Field(None, description="registered advantage estimator (`grpo`, `gae`, `rloo`, "
@@ -182,6 +192,7 @@ class AlgorithmConfig(StrictModel):
     micro_batch_size: int | None = Field(None, ge=1, description="sequences per forward pass")
     critic_warmup_steps: int = Field(0, ge=0)
     max_staleness: int = Field(0, ge=0)
+    filter_groups: FilterGroupsConfig = Field(default_factory=FilterGroupsConfig)
     dpo: DPOConfig | None = Field(None, description="DPO's loss (algorithm.name: dpo fills it in): "
                                   "beta, loss_type sigmoid | ipo, label_smoothing")
 

@@ -21,6 +21,7 @@ from verl_hpc.data.rollout_batch import RolloutBatch
 from verl_hpc.metrics import memory_metrics
 from verl_hpc.roles.forward import to_device
 from verl_hpc.runtime.checkpointing import reseed
+from verl_hpc.runtime.dynamic_sampling import filtered_rollouts
 from verl_hpc.runtime.placement.base import Placement, Timer
 from verl_hpc.runtime.step_metrics import data_metrics, perf_metrics, prefixed, sync_metrics
 
@@ -33,6 +34,7 @@ class RLTrainer:
     def __init__(self, cfg: RunConfig, placement: Placement, sampler: PromptSampler,
                  on_stage: Any = None):
         self.cfg, self.placement, self.sampler = cfg, placement, sampler
+        placement.attach_sampler(sampler)  # a rollout group draws the prompts of extra sampling rounds
         self.step = 0
         self.policy_version = 0
         self.on_stage = on_stage  # heartbeat: hears "step N <stage>" as each stage starts
@@ -61,7 +63,7 @@ class RLTrainer:
         cfg, p, timer = self.cfg, self.placement, self.timer()
         algo = cfg.algorithm
         with timer("step"):
-            batch = p.rollouts(self.step, indices, self.policy_version, timer)
+            batch, round_metrics = self.collect_rollouts(indices, timer)
             if batch is None:
                 return None
             lag = self.policy_version - min(batch.column("policy_version").to_pylist())
@@ -69,7 +71,7 @@ class RLTrainer:
             self.forward_passes(batch, inputs, timer)
             with timer("adv"):
                 self.add_advantages(batch, inputs)
-            train_metrics: dict[str, float] = {}
+            train_metrics: dict[str, float] = dict(round_metrics)
             if algo.needs_critic:
                 with timer("update_critic"):
                     train_metrics.update(prefixed("critic", p.update_critic(batch, inputs)))
@@ -86,6 +88,13 @@ class RLTrainer:
         p.record(self.step, batch)
         metrics = self.step_metrics(batch, inputs, p.mean_metrics(train_metrics), timer, sync_bytes)
         return {**metrics, "rollout/policy_lag": float(lag)} if metrics else metrics
+
+    def collect_rollouts(self, indices: list[int], timer: Timer) -> tuple[RolloutBatch | None, dict[str, float]]:
+        """This rank's scored rows of the step: one generation round, or DAPO's dynamic sampling."""
+        p = self.placement
+        if not self.cfg.algorithm.filter_groups.enable:
+            return p.rollouts(self.step, indices, self.policy_version, timer), {}
+        return filtered_rollouts(p, self.step, indices, self.policy_version, timer, self.sampler)
 
     def forward_passes(self, batch: RolloutBatch, inputs: dict[str, torch.Tensor], timer: Timer) -> None:
         """Reference and old logprobs, critic values: what the estimator and losses will read."""

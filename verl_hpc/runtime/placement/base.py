@@ -111,8 +111,10 @@ class Placement:
         return UpdatePlan.from_config(self.cfg.algorithm, self.cfg.trainer.batch_size, self.world)
 
     # --- the stages ------------------------------------------------------------------------
-    def rollouts(self, step: int, indices: list[int], policy_version: int, timer: Timer) -> RolloutBatch | None:
-        """This rank's rows of the step, scored, in row order (None: the run is stopping)."""
+    def rollouts(self, step: int, indices: list[int], policy_version: int, timer: Timer,
+                 round_: int = 0) -> RolloutBatch | None:
+        """This rank's rows of the step (of its `round_`-th generation round with dynamic
+        sampling), scored, in row order (None: the run is stopping)."""
         with timer("gen"):
             batch = generate_rows(self.roles, self.cfg, step, indices, self.rows(), policy_version)
         return self.score(batch, timer)
@@ -162,6 +164,18 @@ class Placement:
 
     def mean_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
         return metrics
+
+    def request_round(self, more: bool) -> None:
+        """Dynamic sampling: whether another generation round of this step follows (split:
+        the rollout group waits to hear it)."""
+
+    def attach_sampler(self, sampler: Any) -> None:
+        """The prompt sampler, for a rollout group that draws the prompts of extra rounds."""
+        self.sampler = sampler
+
+    def gather_to_all(self, value: Any) -> list[Any]:
+        """Every trainer rank's `value`, in rank order, on every trainer rank."""
+        return [value]
 
     def gather_to_leader(self, value: Any) -> list[Any] | None:
         """Every trainer rank's `value`, in rank order, on the leader (None elsewhere)."""

@@ -16,7 +16,8 @@ from verl_hpc.runtime.placement.distributed import DistributedPlacement
 class Colocated(DistributedPlacement):
     name = "colocated"
 
-    def rollouts(self, step: int, indices: list[int], policy_version: int, timer: Timer) -> RolloutBatch | None:
+    def rollouts(self, step: int, indices: list[int], policy_version: int, timer: Timer,
+                 round_: int = 0) -> RolloutBatch | None:
         engine = self.roles.engine
         with timer("gen"):
             engine.wake_up()  # type: ignore[union-attr]

@@ -126,6 +126,13 @@ class DistributedPlacement(Placement):
         dist.all_reduce(values, group=self.ctx.process_group)
         return {k: float(v) / self.world for k, v in zip(keys, values, strict=True)}
 
+    def gather_to_all(self, value: Any) -> list[Any]:
+        if self.world == 1:
+            return [value]
+        parts: list[Any] = [None] * self.world
+        dist.all_gather_object(parts, value, group=self.ctx.process_group)
+        return parts
+
     def gather_to_leader(self, value: Any) -> list[Any] | None:
         if self.world == 1:
             return [value]

@@ -37,6 +37,14 @@ log = get_logger("placement")
 BUFFER_FILE = "rollout_buffer.arrow"  # rollouts generated ahead (max_staleness > 0), Arrow IPC
 
 
+ROUND_STRIDE = 1 << 40  # dynamic sampling: round r of step s is filed as s + r * ROUND_STRIDE
+
+
+def round_key(step: int, round_: int) -> int:
+    """The `step` stamped on the rows of a step's generation round (round 0: the step itself)."""
+    return step + round_ * ROUND_STRIDE
+
+
 def val_key(trained: int) -> int:
     """The `step` stamped on validation rows after step `trained` (negative: never a training step)."""
     return -1 - trained
@@ -88,11 +96,12 @@ class Split(DistributedPlacement):
                                                     self.cfg.logging.tensorboard)
 
     # --- trainer side ------------------------------------------------------------------------------
-    def rollouts(self, step: int, indices: list[int], policy_version: int, timer: Timer) -> RolloutBatch | None:
+    def rollouts(self, step: int, indices: list[int], policy_version: int, timer: Timer,
+                 round_: int = 0) -> RolloutBatch | None:
         with timer("wait_rollout"):
             payload: list[Any] = [None]
             if self.is_leader:
-                full = RolloutBatch.concat(self.receive_rollouts(step)).sorted_by_row()
+                full = RolloutBatch.concat(self.receive_rollouts(round_key(step, round_))).sorted_by_row()
                 self.check_staleness(full, policy_version, step)
                 payload = [full.to_ipc()]
             if self.world > 1:
@@ -134,6 +143,12 @@ class Split(DistributedPlacement):
         if self.trainer_step > self.last_needed() and not validation.due(self.cfg, self.trainer_step):
             return 0
         return self.send_split(version)
+
+    def request_round(self, more: bool) -> None:
+        group = self.ctx.sync_groups.get("rollout")
+        if group is not None:  # the leader: the rollout ranks wait for the verdict
+            verdict = torch.tensor([int(more)], dtype=torch.int64, device=self.roles.device)
+            dist.broadcast(verdict, src=self.leader, group=group)
 
     def last_needed(self) -> int:
         """The last step whose weights the rollout needs for training rollouts."""
@@ -226,11 +241,31 @@ class Split(DistributedPlacement):
                 self.flight_client.put(batch)
             except Exception:  # the trainer shut its server down: a stop
                 return False
+        if self.cfg.algorithm.filter_groups.enable and not self.serve_rounds(step, rows):
+            return False
         if self.rollout_logger is not None:
             synced = sync_metrics(self.last_sync_bytes, timer.seconds.get("timing_s/update_weights", 0.0))
             self.rollout_logger.log_scalars(step, {**timer.seconds, **synced, "rollout/policy_version":
                                                    float(self.roles.engine.policy_version)})  # type: ignore[union-attr]
         return True
+
+    def serve_rounds(self, step: int, rows: list[int]) -> bool:
+        """Dynamic sampling: another round of new prompts as long as the leader asks for one."""
+        group = self.ctx.sync_groups["rollout"]
+        round_ = 0
+        while True:
+            verdict = torch.zeros(1, dtype=torch.int64, device=self.roles.device)
+            dist.broadcast(verdict, src=self.leader, group=group)
+            if not int(verdict.item()):
+                return True
+            round_ += 1
+            indices = self.sampler.next_indices()
+            batch = generate_rows(self.roles, self.cfg, round_key(step, round_), indices, rows,
+                                  self.roles.engine.policy_version)  # type: ignore[union-attr]
+            try:
+                self.flight_client.put(batch)
+            except Exception:  # the trainer shut its server down: a stop
+                return False
 
     def validation_tail(self) -> bool:
         """After its last training batch: the weights of each later validated step, validated."""
