@@ -30,7 +30,8 @@ def _base(tmp_path: Path, **algorithm: Any) -> dict:
 
 def test_every_preset_name_is_in_the_table_and_the_schema() -> None:
     names = set(get_args(AlgorithmConfig.model_fields["name"].annotation))
-    assert names == set(PRESETS) >= {"grpo", "ppo", "dr_grpo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gspo"}
+    assert names == set(PRESETS) >= {"grpo", "ppo", "dr_grpo", "dapo", "rloo", "reinforce_pp",
+                                     "reinforce_pp_baseline", "gspo", "remax"}
 
 
 @pytest.mark.parametrize(("name", "expected"), [
@@ -42,6 +43,9 @@ def test_every_preset_name_is_in_the_table_and_the_schema() -> None:
     ("reinforce_pp_baseline", {"adv_estimator": "reinforce_pp_baseline", "kl.in_reward": True}),
     ("gspo", {"policy_loss": "gspo", "clip_ratio_low": 3e-4, "clip_ratio_high": 4e-4,
               "loss_agg_mode": "seq-mean-token-mean"}),
+    ("dapo", {"adv_estimator": "grpo", "clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "loss_agg_mode": "token-mean",
+              "filter_groups.enable": True, "kl.coef": 0.0}),
+    ("remax", {"adv_estimator": "remax", "kl.in_reward": True, "kl.estimator": "k1"}),
 ])
 def test_a_preset_expands_to_its_building_blocks(tmp_path: Path, name: str, expected: dict[str, Any]) -> None:
     algo = load_config(data=_base(tmp_path, name=name)).algorithm.model_dump()
