@@ -40,6 +40,14 @@ def import_plugins(specs: list[str]) -> None:
 
 
 def cross_check(cfg: RunConfig) -> None:
+    from verl_hpc.config.dpo import check_dpo, refuse_dpo_parts
+
+    if cfg.algorithm.name == "dpo":  # offline preference pairs: no reward, no rollouts (config/dpo.py)
+        check_dpo(cfg)
+        return
+    if cfg.reward is None:
+        raise FieldError("reward", "is required but missing", "add it to the config")
+    refuse_dpo_parts(cfg)
     _check_algorithm(cfg)
     _check_batches(cfg)
     _check_model(cfg)

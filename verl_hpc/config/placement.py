@@ -61,7 +61,7 @@ class ProcessPlan:
 
 
 def plan_processes(resources: ResourceConfig, needs_critic: bool, needs_ref: bool,
-                   reward_is_model: bool) -> ProcessPlan:
+                   reward_is_model: bool, needs_rollout: bool = True) -> ProcessPlan:
     """The trainer group (actor + critic/ref unless placed apart), rollout, reward model.
 
     Colocated placement puts the rollout engine inside the trainer group (the hybrid
@@ -77,7 +77,9 @@ def plan_processes(resources: ResourceConfig, needs_critic: bool, needs_ref: boo
             groups.append(GroupSpec(role, (role,), spec))
         elif needed:
             trainer_roles.append(role)
-    if resources.placement == "colocated":
+    if not needs_rollout:  # DPO: offline pairs, nothing generated
+        pass
+    elif resources.placement == "colocated":
         trainer_roles.append("rollout")
     else:
         groups.append(GroupSpec("rollout", ("rollout",), resources.rollout))
@@ -97,4 +99,6 @@ def plan_for_config(cfg) -> ProcessPlan:  # cfg: RunConfig (imported lazily: sch
     """
     algo = cfg.algorithm
     return plan_processes(cfg.resources, needs_critic=algo.needs_critic, needs_ref=algo.needs_ref,
-                          reward_is_model=cfg.reward.model_path is not None or cfg.resources.reward is not None)
+                          reward_is_model=cfg.reward is not None and (cfg.reward.model_path is not None
+                                                                      or cfg.resources.reward is not None),
+                          needs_rollout=algo.dpo is None)

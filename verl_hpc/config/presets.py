@@ -37,6 +37,8 @@ PRESETS: dict[str, dict[str, Any]] = {
              "loss_agg_mode": "token-mean", "filter_groups": {"enable": True}, "kl": {"coef": 0.0}},
     # Li et al. 2023: the greedy response's score as baseline; KL in the reward (as verl's example).
     "remax": {"adv_estimator": "remax", "policy_loss": "vanilla", "kl": _KL_IN_REWARD},
+    # Rafailov et al. 2023: offline preference pairs, no estimator, no reward; beta 0.1 (config/dpo.py).
+    "dpo": {"dpo": {"beta": 0.1, "loss_type": "sigmoid"}},
 }
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from verl_hpc.data.tasks import arithmetic
+from verl_hpc.data.tasks import arithmetic, arithmetic_preference
 
-TASKS = {"arithmetic": arithmetic}
+TASKS = {"arithmetic": arithmetic, "arithmetic_preference": arithmetic_preference}
 TASK_REWARDS = {"arithmetic": "verl_hpc.data.tasks.arithmetic:score"}
 
 
