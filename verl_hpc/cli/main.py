@@ -85,13 +85,14 @@ def _cmd_train(args: argparse.Namespace) -> int:
         print(f"\nverl-hpc: error: {failure}", file=sys.stderr, flush=True)
         print(f"verl-hpc: {run_dir} is kept; once fixed, continue with: {again}", file=sys.stderr, flush=True)
         return 1
-    score = result.last_metrics.get("critic/score/mean")
+    score_key = "critic/score/mean" if "critic/score/mean" in result.last_metrics else "dpo/reward_accuracy"
+    score = result.last_metrics.get(score_key)
     print(f"run directory: {result.run_dir}")
     if result.stopped_by is not None:
         print(f"stopped by {result.stopped_by} after step {result.steps}; the checkpoint is saved. "
               f"To resume: {again}")
         return 128 + getattr(signal.Signals, result.stopped_by, signal.SIGTERM).value
-    print(f"steps: {result.steps}   final critic/score/mean: {score:.4f}" if score is not None else "")
+    print(f"steps: {result.steps}   final {score_key}: {score:.4f}" if score is not None else "")
     for key, value in sorted(result.last_metrics.items()):
         if key.startswith("val-core/"):
             print(f"validation:    {key} {value:.4f}")

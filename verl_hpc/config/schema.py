@@ -194,7 +194,7 @@ class AlgorithmConfig(StrictModel):
     max_staleness: int = Field(0, ge=0)
     filter_groups: FilterGroupsConfig = Field(default_factory=FilterGroupsConfig)
     dpo: DPOConfig | None = Field(None, description="DPO's loss (algorithm.name: dpo fills it in): "
-                                  "beta, loss_type sigmoid | ipo, label_smoothing")
+                                  "beta, loss_type sigmoid | ipo, label_smoothing, sft_coef")
 
     @model_validator(mode="before")
     @classmethod

@@ -13,13 +13,12 @@ from typing import Any
 import torch
 
 from verl_hpc.config import RunConfig, dump_config
-from verl_hpc.data.prompts import PromptSampler
-from verl_hpc.runtime.build import BuildSpec, build_roles, resolve_device
+from verl_hpc.runtime.build import BuildSpec, resolve_device
 from verl_hpc.runtime.checkpointing import RunCheckpointer, build_manager, seed_all
 from verl_hpc.runtime.lifecycle import RunLifecycle, TrainResult
-from verl_hpc.runtime.loop import RLTrainer
 from verl_hpc.runtime.placement.base import Placement
 from verl_hpc.runtime.signals import StopFlag
+from verl_hpc.runtime.steps import build_process_roles, build_step
 from verl_hpc.utils.logging import get_logger, setup_logging
 
 log = get_logger("trainer")
@@ -42,13 +41,11 @@ def train_in_process(cfg: RunConfig, run_dir: Path, actor_model: Any = None, rew
     (run_dir / "config.yaml").write_text(dump_config(cfg))
     spec = BuildSpec(hosted=hosted_roles(cfg), device=resolve_device(cfg), launched=False,
                      engine_log=run_dir / "logs" / "vllm_engine_rank0.log")
-    roles = build_roles(cfg, run_dir, spec, actor_model, reward_model)
+    roles = build_process_roles(cfg, run_dir, spec, actor_model, reward_model)
     placement = Placement(cfg, run_dir, roles)
-    sampler = PromptSampler(len(roles.dataset), cfg.trainer.batch_size // cfg.algorithm.sampling.n,
-                            cfg.trainer.seed, cfg.data.shuffle)
     checkpointer = RunCheckpointer(cfg, run_dir, build_manager(cfg, run_dir), {"trainer": 1}, True)
     stop = StopFlag().install()
-    trainer = RLTrainer(cfg, placement, sampler)
+    trainer = build_step(cfg, placement)
     try:
         outcome = RunLifecycle(cfg, run_dir, trainer, checkpointer, stop).run()
     finally:
@@ -57,5 +54,6 @@ def train_in_process(cfg: RunConfig, run_dir: Path, actor_model: Any = None, rew
     if outcome.stopped_by is not None:
         return TrainResult(run_dir, trainer.step, None, outcome.metrics, outcome.stopped_by)
     hf_dir = run_dir / "hf_model" if cfg.trainer.save_hf_model else None
-    log.info("done: %d steps, final score %.4f", trainer.step, outcome.metrics.get("critic/score/mean", float("nan")))
+    name, key = trainer.progress_metric
+    log.info("done: %d steps, final %s %.4f", trainer.step, name, outcome.metrics.get(key, float("nan")))
     return TrainResult(run_dir, trainer.step, hf_dir, outcome.metrics)

@@ -172,7 +172,8 @@ class RunLifecycle:
             if step % cfg.logging.sample_every == 0 and cfg.logging.num_samples and batch is not None:
                 logger.log_text(step, "samples", self.trainer.samples_text(batch))
         if progress is not None:
-            progress.update(step, {"score": metrics.get("critic/score/mean", float("nan")),
+            name, key = self.trainer.progress_metric
+            progress.update(step, {name: metrics.get(key, float("nan")),
                                    "s/step": metrics.get("timing_s/step", float("nan"))})
 
     def stop_for_signal(self, signum: int, outcome: Outcome) -> Outcome:

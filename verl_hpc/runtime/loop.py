@@ -31,6 +31,8 @@ UPDATE_COLUMNS = ("advantages", "returns", "token_rewards", "ref_logprobs", "old
 class RLTrainer:
     """The step and the counters that say where the run is (`state_dict` rides in checkpoints)."""
 
+    progress_metric = ("score", "critic/score/mean")  # what the progress line shows
+
     def __init__(self, cfg: RunConfig, placement: Placement, sampler: PromptSampler,
                  on_stage: Any = None):
         self.cfg, self.placement, self.sampler = cfg, placement, sampler

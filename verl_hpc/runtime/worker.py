@@ -108,20 +108,17 @@ def main() -> int:
 
 def run_worker(cfg, ctx: DistContext, run_dir: Path, stop: StopFlag):  # -> Outcome
     """This process's part of the run: the one loop on the placement the plan gives it."""
-    from verl_hpc.data.prompts import PromptSampler
     from verl_hpc.runtime.checkpointing import RunCheckpointer, build_manager, seed_all
     from verl_hpc.runtime.heartbeat import Heartbeat
     from verl_hpc.runtime.lifecycle import RunLifecycle
-    from verl_hpc.runtime.loop import RLTrainer
     from verl_hpc.runtime.placement import build_distributed
+    from verl_hpc.runtime.steps import build_step
 
     seed_all(cfg.trainer.seed + ctx.env.rank)
     heartbeat = Heartbeat(ctx.plan, ctx.env.rank, default_store())
     heartbeat.start()
     placement = build_distributed(cfg, ctx, run_dir, heartbeat)
     try:
-        sampler = PromptSampler(len(placement.roles.dataset), cfg.trainer.batch_size // cfg.algorithm.sampling.n,
-                                cfg.trainer.seed, cfg.data.shuffle)
         checkpointer = None
         if ctx.is_role("actor") or ctx.group.name == "critic":  # a critic group writes its part too
             group = ctx.state_group or ctx.process_group
@@ -129,7 +126,7 @@ def run_worker(cfg, ctx: DistContext, run_dir: Path, stop: StopFlag):  # -> Outc
                                     async_group=ctx.state_async_group or ctx.checkpoint_group)
             checkpointer = RunCheckpointer(cfg, run_dir, manager, {g.name: g.size for g in ctx.plan.groups},
                                            placement.is_leader, group)
-        trainer = RLTrainer(cfg, placement, sampler, on_stage=heartbeat.enter)
+        trainer = build_step(cfg, placement, on_stage=heartbeat.enter)
         ctx.barrier("start")
         return RunLifecycle(cfg, run_dir, trainer, checkpointer, stop).run()
     finally:

@@ -42,6 +42,11 @@ def build_distributed(cfg: RunConfig, ctx: DistContext, run_dir: Path, heartbeat
     from verl_hpc.runtime.placement.colocated import Colocated
     from verl_hpc.runtime.placement.split import Split
 
+    if cfg.algorithm.dpo is not None:  # the actor and its reference on every trainer rank, no engine
+        from verl_hpc.runtime.dpo_build import build_dpo_roles
+
+        return DistributedPlacement(cfg, run_dir, build_dpo_roles(cfg, run_dir, build_spec(cfg, ctx, run_dir)),
+                                    ctx, heartbeat)
     roles = build_roles(cfg, run_dir, build_spec(cfg, ctx, run_dir))
     colocated = "rollout" in ctx.plan.groups[0].roles
     return (Colocated if colocated else Split)(cfg, run_dir, roles, ctx, heartbeat)

@@ -144,6 +144,8 @@ class Placement:
         from verl_hpc.roles.weight_sync import iter_full_params, push_weights
 
         engine, actor = self.roles.engine, self.roles.actor
+        if engine is None:  # DPO: no engine to feed
+            return 0
         if shares_module(engine, actor.model):  # type: ignore[union-attr,arg-type]
             engine.policy_version = version  # type: ignore[union-attr]
             return 0
