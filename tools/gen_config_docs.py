@@ -44,7 +44,7 @@ DESCRIPTIONS: dict[str, str] = {
     # top level
     "model": "the policy model: a local Hugging Face directory, optionally built on first use",
     "data": "where prompts come from: Parquet/JSONL files and/or a built-in task",
-    "reward": "how each response is scored: a Python function or a reward model",
+    "reward": "how each response is scored: a Python function or a reward model (none for algorithm.name: dpo)",
     "algorithm": "GRPO or PPO: sampling, KL penalty, clipping, advantages and batch cutting",
     "trainer": "run length, batch size, seed and the optimizers",
     "resources": "per-role devices, strategies and Slurm sizes; same shape as `resource_config.yaml`",
@@ -62,7 +62,8 @@ DESCRIPTIONS: dict[str, str] = {
     # data
     "data.train_files": "prompt files (`.parquet`, `.jsonl`, `.json`), read in order and concatenated",
     "data.task": "a built-in synthetic task; its prompts go to `<run_dir>/data/`, read after `train_files`",
-    "data.task.name": "which task: `arithmetic` is single-digit addition, `a+b=` → the sum",
+    "data.task.name": "which task: `arithmetic` is single-digit addition, `a+b=` → the sum; "
+                      "`arithmetic_preference` the same prompts as DPO pairs (the sum chosen, a wrong one rejected)",
     "data.task.num_prompts": "number of prompts written (rows of `<run_dir>/data/<name>_prompts.parquet`)",
     "data.task.max_operand": "largest operand: prompts are `a+b=` with a, b in 0..max_operand",
     "data.task.seed": "seed of the prompt generator",
