@@ -192,7 +192,8 @@ class AlgorithmConfig(StrictModel):
     micro_batch_size: int | None = Field(None, ge=1, description="sequences per forward pass")
     critic_warmup_steps: int = Field(0, ge=0)
     max_staleness: int = Field(0, ge=0)
-    filter_groups: FilterGroupsConfig = Field(default_factory=FilterGroupsConfig)
+    filter_groups: FilterGroupsConfig = Field(default_factory=FilterGroupsConfig, description="DAPO's dynamic "
+                                              "sampling: train on groups whose scores differ only")
     dpo: DPOConfig | None = Field(None, description="DPO's loss (algorithm.name: dpo fills it in): "
                                   "beta, loss_type sigmoid | ipo, label_smoothing, sft_coef")
 
