@@ -106,11 +106,14 @@ def test_max_staleness_one_overlaps_generation_with_training(tmp_path: Path, tin
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = read_jsonl_metrics(run_dir / "tensorboard" / "metrics.jsonl")
     lags = [r["rollout/policy_lag"] for r in rows]
+    # Every batch after the first was sampled one version behind: the rollout generated step s + 1
+    # before step s's weights existed, i.e. while the trainers trained step s (the overlap).
     assert max(lags) == 1.0 and lags[0] == 0.0 and all(lag == 1.0 for lag in lags[1:])
     rollout_rows = read_jsonl_metrics(run_dir / "tensorboard" / "rollout_rank2" / "metrics.jsonl")
-    generating = sum(r["timing_s/gen"] for r in rollout_rows[2:])
-    waiting = sum(r["timing_s/wait_rollout"] for r in rows[2:])
-    assert waiting < 0.5 * generating, (waiting, generating)  # generation hidden behind training
+    # The rollout side's own record: step s was generated from the weights of step s - 2.
+    assert [r["rollout/policy_version"] for r in rollout_rows] == [float(max(0, r["step"] - 2)) for r in rollout_rows]
+    # How much of the generation time that hides is measured by `bench step_overlap` (a
+    # wall-clock ratio: benchmarks, not tests, assert speed).
     first, last = window_means([r["critic/score/mean"] for r in rows])
     assert last > first + 0.2, (first, last)
 
