@@ -25,33 +25,22 @@ from verl_hpc.data.prompts import PromptSampler
 from verl_hpc.metrics import memory_metrics
 from verl_hpc.roles.forward import response_logprobs, to_device
 from verl_hpc.runtime.checkpointing import reseed
+from verl_hpc.runtime.counters import StepCounters
 from verl_hpc.runtime.dpo_build import TokenizedPairs
-from verl_hpc.runtime.placement.base import Placement, Timer
+from verl_hpc.runtime.placement.base import Placement
 from verl_hpc.runtime.step_metrics import prefixed
 
 
-class DPOTrainer:
+class DPOTrainer(StepCounters):
     """One DPO step per `next_step`; the counters ride in checkpoints (`state_dict`)."""
 
     progress_metric = ("acc", "dpo/reward_accuracy")  # what the progress line shows
 
     def __init__(self, cfg: RunConfig, placement: Placement, sampler: PromptSampler, on_stage: Any = None):
+        super().__init__(on_stage)
         self.cfg, self.placement, self.sampler = cfg, placement, sampler
         self.pairs: TokenizedPairs = placement.roles.pairs  # type: ignore[attr-defined]
-        self.step = 0
-        self.policy_version = 0
-        self.on_stage = on_stage
         self.last_batch: list[int] | None = None  # the step's pair indices, on the leader
-
-    def state_dict(self) -> dict[str, int]:
-        return {"step": self.step, "policy_version": self.policy_version}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.step, self.policy_version = int(state["step"]), int(state["policy_version"])
-
-    def timer(self) -> Timer:
-        step = self.step
-        return Timer(None if self.on_stage is None else lambda name: self.on_stage(f"step {step} {name}"))
 
     def next_step(self) -> dict[str, float]:
         """Advance one step; returns the leader's metrics ({} on the other actor processes)."""

@@ -21,6 +21,7 @@ from verl_hpc.data.rollout_batch import RolloutBatch
 from verl_hpc.metrics import memory_metrics
 from verl_hpc.roles.forward import to_device
 from verl_hpc.runtime.checkpointing import reseed
+from verl_hpc.runtime.counters import StepCounters
 from verl_hpc.runtime.dynamic_sampling import filtered_rollouts
 from verl_hpc.runtime.placement.base import Placement, Timer
 from verl_hpc.runtime.step_metrics import data_metrics, perf_metrics, prefixed, sync_metrics
@@ -28,29 +29,17 @@ from verl_hpc.runtime.step_metrics import data_metrics, perf_metrics, prefixed, 
 UPDATE_COLUMNS = ("advantages", "returns", "token_rewards", "ref_logprobs", "old_logprobs", "values")
 
 
-class RLTrainer:
+class RLTrainer(StepCounters):
     """The step and the counters that say where the run is (`state_dict` rides in checkpoints)."""
 
     progress_metric = ("score", "critic/score/mean")  # what the progress line shows
 
     def __init__(self, cfg: RunConfig, placement: Placement, sampler: PromptSampler,
                  on_stage: Any = None):
+        super().__init__(on_stage)
         self.cfg, self.placement, self.sampler = cfg, placement, sampler
         placement.attach_sampler(sampler)  # a rollout group draws the prompts of extra sampling rounds
-        self.step = 0
-        self.policy_version = 0
-        self.on_stage = on_stage  # heartbeat: hears "step N <stage>" as each stage starts
         self.last_batch: RolloutBatch | None = None  # the leader's whole batch of the latest step
-
-    def state_dict(self) -> dict[str, int]:
-        return {"step": self.step, "policy_version": self.policy_version}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.step, self.policy_version = int(state["step"]), int(state["policy_version"])
-
-    def timer(self) -> Timer:
-        step = self.step
-        return Timer(None if self.on_stage is None else lambda name: self.on_stage(f"step {step} {name}"))
 
     def next_step(self) -> dict[str, float] | None:
         """Advance one step; returns the leader's metrics, {} on other ranks, None when told to stop."""
