@@ -128,3 +128,20 @@ def test_a_task_started_as_srun_starts_it_survives_usr1_every_few_ms(tmp_path: P
     assert proc.returncode == 1 and "config.yaml" in err, (proc.returncode, err[-2000:])
     assert sent > 20  # the storm covered the process's life (seconds of imports), not just its last moment
     assert [p.name for p in logs.iterdir()] == [".usr1_ready_0_0_0"]  # what the batch shell waits for
+
+
+def test_exit_now_flushes_logs_and_output_and_skips_finalization(tmp_path: Path) -> None:
+    """A finished worker leaves by `exit_now`: its code, its buffered lines and log records all
+    arrive, and no teardown code runs after it (the native-thread crashes lived there)."""
+    log_file = tmp_path / "rank.log"
+    code = LATE_USR1.replace("survived the late USR1", "finalization ran") + (
+        "import logging, sys\n"
+        f"logging.basicConfig(filename={str(log_file)!r}, level=logging.INFO)\n"
+        "from verl_hpc.runtime.worker import exit_now\n"
+        "logging.getLogger('worker').info('the last record')\n"
+        "sys.stdout.write('buffered, no newline')\n"
+        "exit_now(3)\n")
+    done = run_python(code)
+    assert done.returncode == 3, (done.returncode, done.stderr[-2000:])
+    assert done.stdout == "buffered, no newline"
+    assert "the last record" in log_file.read_text()

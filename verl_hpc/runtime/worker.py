@@ -6,6 +6,9 @@ comes from the environment (rank, world, master) and the run directory (config.y
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
+import logging
 import os
 import signal
 import sys
@@ -83,6 +86,9 @@ def main() -> int:
     plan = plan_for_config(cfg)
     group, rank_in_group = plan.locate(env.rank)
     redirect_output(os.environ.get("VERL_HPC_LOG_DIR"), group.name, env)
+    # A native crash (SIGSEGV/SIGABRT/SIGBUS in gloo, NCCL, Arrow) prints every thread's Python
+    # stack into this rank's log, so the launcher's "last lines" say where it died.
+    faulthandler.enable(all_threads=True)
     setup_logging(run_dir / "logs", group.name, env.rank, cfg.logging.level, console=rank_in_group == 0)
     env.write_debug_file(run_dir / "logs" / f"env_{group.name}_rank{env.rank}.json")
     ctx = init_distributed(env, plan, cfg.resources.resolved_backend(), cfg.resources.timeout_seconds,
@@ -143,5 +149,22 @@ def run() -> int:
         ignore_notices_until_exit()
 
 
+def exit_now(code: int) -> None:
+    """Leave without interpreter finalization, once everything that matters is closed.
+
+    Why: by the time `run` returns, the process groups are destroyed, the last checkpoint is
+    committed, the metric files and the rollout server are closed, and any engine process
+    has been stopped. What finalization would still do is tear down native threads (gloo's
+    pair threads, gRPC's pollers, DCP's writer pool) against a half-dismantled interpreter,
+    and that turned finished runs into SIGABRT exits ("terminate called without an active
+    exception") that the launcher rightly reports as failures. Logs are flushed first.
+    """
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a closed or broken stream: nothing to save
+            stream.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(run())
+    exit_now(run())
