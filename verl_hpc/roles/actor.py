@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from verl_hpc.algo import aggregate_loss, get_policy_loss, kl_penalty, masked_mean
 from verl_hpc.config import AlgorithmConfig
-from verl_hpc.config.schema import OptimConfig
+from verl_hpc.config.schema import LOGPROB_CHUNK_TOKENS, OptimConfig
 from verl_hpc.roles.allocator import ResourceAllocator
 from verl_hpc.roles.forward import batched_logprobs, micro_batches, response_logprobs
 from verl_hpc.roles.optimizer import OptimizedModel
@@ -81,9 +81,10 @@ def data_parallel_scale(mask: torch.Tensor, agg_mode: str, group: dist.ProcessGr
 
 class Actor(OptimizedModel):
     def __init__(self, model: torch.nn.Module, algo: AlgorithmConfig, optim: OptimConfig, total_steps: int,
-                 dp_group: dist.ProcessGroup | None = None):
+                 dp_group: dist.ProcessGroup | None = None, chunk_tokens: int = LOGPROB_CHUNK_TOKENS):
         super().__init__(model, optim, total_steps)
         self.dp_group = dp_group
+        self.chunk_tokens = chunk_tokens  # model.logprob_chunk_tokens
         self.algo = algo
         self.allocator = ResourceAllocator()  # the trainer sets device and floor (trainer.min_micro_batch_size)
         # With one pass (no separate old-logprob pass), the forward's own logprobs of the sampled
@@ -91,7 +92,8 @@ class Actor(OptimizedModel):
         self.sampled_logprobs: torch.Tensor | None = None
 
     def compute_logprobs(self, inputs: dict[str, torch.Tensor], micro_batch_size: int) -> torch.Tensor:
-        return batched_logprobs(self.model, inputs, self.algo.sampling.temperature, micro_batch_size)
+        return batched_logprobs(self.model, inputs, self.algo.sampling.temperature, micro_batch_size,
+                                self.chunk_tokens)
 
     def update(self, inputs: dict[str, torch.Tensor], plan: UpdatePlan) -> dict[str, float]:
         """PPO epochs over this rank's mini-batches; metrics are this rank's share (see `_optimizer_step`)."""
@@ -132,7 +134,7 @@ class Actor(OptimizedModel):
             mask = micro["response_mask"]
             weight = micro_weight(mask, total_tokens, total_rows, algo.loss_agg_mode) * dp_scale
             logprobs, entropy = response_logprobs(self.model, micro, algo.sampling.temperature,
-                                                  with_entropy=True)
+                                                  with_entropy=True, chunk_tokens=self.chunk_tokens)
             old = logprobs.detach() if reuse_forward else micro["old_logprobs"]
             seen.append(old)
             pg, pg_stats = loss_fn(logprobs, old, micro["advantages"], mask, algo)

@@ -9,10 +9,19 @@ skips the LM head over prompt tokens, which no loss uses.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
+from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
 
 from verl_hpc.algo import entropy_from_logits, logprobs_from_logits
+from verl_hpc.config.schema import LOGPROB_CHUNK_TOKENS
+
+# Config fields with which a model changes its logits after the output head (Gemma's
+# soft-capping, Cohere's and Granite's scales): the chunked path would skip that step, so
+# such models take the whole-logits path.
+_LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 
 def response_logits(model: torch.nn.Module, inputs: dict[str, torch.Tensor], temperature: float) -> torch.Tensor:
@@ -45,14 +54,94 @@ def exclude_padding(logits: torch.Tensor, pad_id: int | None) -> torch.Tensor:
 
 
 def response_logprobs(model: torch.nn.Module, inputs: dict[str, torch.Tensor], temperature: float,
-                      with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-token logprobs of the response under `model` (and entropies if asked)."""
-    logits = response_logits(model, inputs, temperature).float()
+                      with_entropy: bool = False, chunk_tokens: int = LOGPROB_CHUNK_TOKENS,
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token logprobs of the response under `model` (and entropies if asked).
+
+    With `chunk_tokens` > 0 (and a plain linear head) the logits exist one chunk of tokens
+    at a time, in forward and in backward (`chunked_token_stats`); else all at once.
+    """
     resp_len = inputs["response_mask"].shape[1]
     labels = inputs["input_ids"][:, -resp_len:]
+    head = chunkable_head(model) if chunk_tokens > 0 else None
+    if head is None:
+        logits = response_logits(model, inputs, temperature).float()
+        logprobs = logprobs_from_logits(logits, labels)
+        return logprobs, entropy_from_logits(logits) if with_entropy else None
+    hidden = response_hidden(model, inputs)
+    return chunked_token_stats(hidden, head, labels, temperature, unsampled_token(model), with_entropy,
+                               chunk_tokens)
+
+
+def chunkable_head(model: torch.nn.Module) -> torch.nn.Linear | None:
+    """The output head when logits are exactly `head(hidden)`, else None (whole-logits path)."""
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    if not isinstance(head, torch.nn.Linear):
+        return None
+    config = getattr(model, "config", None)
+    if any(getattr(config, name, None) not in (None, 1, 1.0) for name in _LOGIT_POSTPROCESSING):
+        return None
+    return head
+
+
+@contextmanager
+def _head_passes_hidden(head: torch.nn.Module) -> Iterator[None]:
+    """The model's forward runs whole (FSDP's root hooks included) but its head returns its input."""
+    head.forward = lambda hidden: hidden  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del head.forward
+
+
+def response_hidden(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Last hidden states at the positions that predict each response token, [B, R, H].
+
+    Why through the model's own forward and not its decoder submodule: under FSDP2 the
+    root module's hooks gather the parameters it holds (embeddings, final norm, head) and
+    drive the backward's reduce-scatter; calling a submodule directly would skip them.
+    """
+    head = model.get_output_embeddings()
+    resp_len = inputs["response_mask"].shape[1]
+    with _head_passes_hidden(head):
+        out = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
+                    position_ids=inputs["position_ids"], logits_to_keep=resp_len + 1, use_cache=False)
+    return out.logits[:, :-1, :]
+
+
+def _token_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
+                 temperature: float, pad_id: int | None, with_entropy: bool) -> tuple[torch.Tensor, ...]:
+    """One chunk: the same logits as `response_logits` (padding excluded, tempered), then stats."""
+    logits = exclude_padding(F.linear(hidden, weight, bias), pad_id)
+    logits = (logits / temperature if temperature != 1.0 else logits).float()
     logprobs = logprobs_from_logits(logits, labels)
-    entropy = entropy_from_logits(logits) if with_entropy else None
-    return logprobs, entropy
+    return (logprobs, entropy_from_logits(logits)) if with_entropy else (logprobs,)
+
+
+def chunked_token_stats(hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor, temperature: float,
+                        pad_id: int | None, with_entropy: bool, chunk_tokens: int,
+                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs (and entropies) of `labels`, [B, R], from hidden states `chunk_tokens` at a time.
+
+    Why checkpointed: autograd would otherwise keep every chunk's fp32 logits and softmax
+    for backward, which is the whole `[tokens, vocab]` tensor again. Each chunk is
+    recomputed in backward instead (one more head matmul per chunk), so what the pass
+    keeps is the hidden states, `[tokens, hidden]`, a vocab/hidden fraction of the logits.
+    """
+    rows, resp_len, width = hidden.shape
+    flat_hidden, flat_labels = hidden.reshape(-1, width), labels.reshape(-1)
+    recompute = torch.is_grad_enabled() and (hidden.requires_grad or head.weight.requires_grad)
+    logprobs, entropies = [], []
+    for start in range(0, flat_hidden.shape[0], chunk_tokens):
+        args = (flat_hidden[start:start + chunk_tokens], head.weight, head.bias,
+                flat_labels[start:start + chunk_tokens], temperature, pad_id, with_entropy)
+        stats = checkpoint(_token_stats, *args, use_reentrant=False) if recompute else _token_stats(*args)
+        logprobs.append(stats[0])
+        if with_entropy:
+            entropies.append(stats[1])
+    logprob = torch.cat(logprobs).view(rows, resp_len)
+    return logprob, torch.cat(entropies).view(rows, resp_len) if with_entropy else None
 
 
 def micro_batches(inputs: dict[str, torch.Tensor], size: int) -> Iterator[dict[str, torch.Tensor]]:
@@ -64,9 +153,10 @@ def micro_batches(inputs: dict[str, torch.Tensor], size: int) -> Iterator[dict[s
 
 @torch.no_grad()
 def batched_logprobs(model: torch.nn.Module, inputs: dict[str, torch.Tensor], temperature: float,
-                     micro_batch_size: int) -> torch.Tensor:
+                     micro_batch_size: int, chunk_tokens: int = LOGPROB_CHUNK_TOKENS) -> torch.Tensor:
     """Inference-only logprobs over micro-batches (reference policy, old policy)."""
-    parts = [response_logprobs(model, mb, temperature)[0] for mb in micro_batches(inputs, micro_batch_size)]
+    parts = [response_logprobs(model, mb, temperature, chunk_tokens=chunk_tokens)[0]
+             for mb in micro_batches(inputs, micro_batch_size)]
     return torch.cat(parts, dim=0)
 
 

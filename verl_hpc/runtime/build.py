@@ -208,7 +208,7 @@ def build_roles(cfg: RunConfig, run_dir: Path, spec: BuildSpec, actor_model: Any
         if spec.fsdp_group is not None:
             shard_model(policy, spec.fsdp_group, spec.device.type, COMPUTE_DTYPES[cfg.model.mixed_precision])
         roles.actor = Actor(policy, cfg.algorithm, cfg.trainer.actor_optim, cfg.trainer.total_steps,
-                            dp_group=spec.fsdp_group)
+                            dp_group=spec.fsdp_group, chunk_tokens=cfg.model.logprob_chunk_tokens)
     if "critic" in spec.hosted:
         roles.critic = _build_critic(cfg, spec, model_dir, dtype)
     if "rollout" in spec.hosted:

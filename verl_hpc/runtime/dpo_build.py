@@ -101,7 +101,8 @@ def build_dpo_roles(cfg: RunConfig, run_dir: Path, spec: BuildSpec, actor_model:
     if spec.fsdp_group is not None:
         shard_model(ref, spec.fsdp_group, spec.device.type, compute)
         shard_model(policy, spec.fsdp_group, spec.device.type, compute)
-    actor = Actor(policy, cfg.algorithm, cfg.trainer.actor_optim, cfg.trainer.total_steps, dp_group=spec.fsdp_group)
+    actor = Actor(policy, cfg.algorithm, cfg.trainer.actor_optim, cfg.trainer.total_steps, dp_group=spec.fsdp_group,
+                  chunk_tokens=cfg.model.logprob_chunk_tokens)
     trainer = cfg.trainer
     allocator = ResourceAllocator(spec.device, trainer.min_micro_batch_size, False)  # no OOM retry: fixed slices
     actor.allocator = allocator

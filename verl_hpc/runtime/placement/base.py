@@ -127,7 +127,7 @@ class Placement:
 
     def ref_logprobs(self, batch: RolloutBatch, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         return batched_logprobs(self.roles.ref_model, inputs, self.cfg.algorithm.sampling.temperature,
-                                self.plan().micro_batch_size)
+                                self.plan().micro_batch_size, self.cfg.model.logprob_chunk_tokens)
 
     def values(self, batch: RolloutBatch, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         return self.roles.critic.compute_values(inputs, self.plan().micro_batch_size)  # type: ignore[union-attr]

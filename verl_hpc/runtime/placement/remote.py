@@ -132,7 +132,8 @@ class RoleService:
         if self.role == "critic":
             out = roles.critic.compute_values(inputs, micro)  # type: ignore[union-attr]
         else:
-            out = batched_logprobs(roles.ref_model, inputs, algo.sampling.temperature, micro)
+            out = batched_logprobs(roles.ref_model, inputs, algo.sampling.temperature, micro,
+                                   p.cfg.model.logprob_chunk_tokens)
         lengths = batch.response_lengths()
         values = out.float().cpu().numpy()
         return [values[i, :lengths[i]].tolist() for i in range(len(batch))]
