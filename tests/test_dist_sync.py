@@ -53,13 +53,13 @@ def _reference_update(model_dir: str) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def _worker(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> None:
+def _worker(rank: int, world: int, port: int, model_dir: str, out_dir: str, recompute: bool) -> None:
     from transformers import AutoModelForCausalLM
 
     from verl_hpc.config import AlgorithmConfig
     from verl_hpc.config.schema import OptimConfig
     from verl_hpc.roles.actor import Actor, UpdatePlan
-    from verl_hpc.roles.fsdp import full_tensor, shard_model
+    from verl_hpc.roles.fsdp import checkpoint_activations, full_tensor, shard_model
     from verl_hpc.roles.weight_sync import broadcast_weights, gather_only, stream_into
 
     torch.set_num_threads(1)
@@ -70,6 +70,8 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> N
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     engine = copy.deepcopy(model)
     if ctx.is_role("actor"):
+        if recompute:  # model.gradient_checkpointing: layers recomputed inside their FSDP units
+            checkpoint_activations(model)
         shard_model(model, ctx.process_group, "cpu")
         actor = Actor(model, AlgorithmConfig(), OptimConfig(lr=1e-2), total_steps=1, dp_group=ctx.process_group)
         start = ctx.rank_in_group * 4
@@ -95,9 +97,11 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out_dir: str) -> N
 
 
 @pytest.mark.slow
-def test_fsdp_update_and_weight_syncs_are_exact(tmp_path: Path, tiny_model_dir: Path) -> None:
+@pytest.mark.parametrize("recompute", [False, True], ids=["kept", "gradient_checkpointing"])
+def test_fsdp_update_and_weight_syncs_are_exact(tmp_path: Path, tiny_model_dir: Path, recompute: bool) -> None:
+    """Against one process without activation checkpointing, whichever way the FSDP side runs."""
     port = _free_port()
-    mp.start_processes(_worker, args=(3, port, str(tiny_model_dir), str(tmp_path)), nprocs=3,
+    mp.start_processes(_worker, args=(3, port, str(tiny_model_dir), str(tmp_path), recompute), nprocs=3,
                        start_method="spawn", join=True)
     expected = _reference_update(str(tiny_model_dir))
     fsdp = torch.load(tmp_path / "fsdp.pt", weights_only=True)

@@ -45,6 +45,9 @@ class ModelConfig(StrictModel):
         "from the last hidden states, and the logits recomputed in backward, so the `[tokens, vocab]` logits "
         "never exist for more than a chunk (1024 tokens x 49k vocab: 0.2 GB, against 1.2 GB for a SmolLM2 "
         "batch whole); 0 = the whole micro-batch at once")
+    gradient_checkpointing: bool = Field(
+        False, description="recompute each decoder layer's activations in backward (actor and critic): "
+        "activation memory of one layer instead of all, for about one more forward per update")
 
 
 class DataConfig(StrictModel):

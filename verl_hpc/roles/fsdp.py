@@ -23,6 +23,29 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return []
 
 
+class ActivationCheckpointingError(ValueError):
+    """`model.gradient_checkpointing` asked of a model that has no per-layer checkpointing."""
+
+
+def checkpoint_activations(model: nn.Module) -> nn.Module:
+    """Recompute each decoder layer's activations in backward instead of keeping them.
+
+    Why HF's own switch, non-reentrant, before sharding: every decoder layer of a
+    transformers model is already a checkpointable unit, so the layer boundaries match
+    FSDP2's units (one gather per layer, recomputed inside the same unit in backward), and
+    the non-reentrant form is the one FSDP2 and `torch.compile` support. It acts only in
+    training mode, so the rollout's `generate` (eval) and the no-grad passes keep their
+    KV cache and speed. Backbones inside a value model are switched the same way.
+    """
+    target = model.backbone if hasattr(model, "backbone") else model
+    if not getattr(target, "supports_gradient_checkpointing", False):
+        raise ActivationCheckpointingError(
+            f"model.gradient_checkpointing: {type(target).__name__} has no per-layer activation checkpointing; "
+            "set model.gradient_checkpointing: false")
+    target.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
 def shard_model(model: nn.Module, group: dist.ProcessGroup, device_type: str,
                 param_dtype: torch.dtype | None = None) -> nn.Module:
     """`fully_shard` every decoder layer, then the root, over `group`; returns the model."""

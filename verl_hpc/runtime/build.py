@@ -26,7 +26,7 @@ from verl_hpc.data.tasks import write_task_prompts
 from verl_hpc.roles.actor import Actor
 from verl_hpc.roles.allocator import ResourceAllocator
 from verl_hpc.roles.critic import Critic, ValueModel
-from verl_hpc.roles.fsdp import shard_model
+from verl_hpc.roles.fsdp import checkpoint_activations, shard_model
 from verl_hpc.roles.reward import ModelReward, RuleReward
 from verl_hpc.roles.reward_shaping import OverlongShapedReward
 from verl_hpc.roles.rollout import RolloutEngine, build_engine
@@ -205,6 +205,8 @@ def build_roles(cfg: RunConfig, run_dir: Path, spec: BuildSpec, actor_model: Any
     if "ref" in spec.hosted:
         roles.ref_model = _frozen(copy.deepcopy(policy), cfg, spec)
     if "actor" in spec.hosted:
+        if cfg.model.gradient_checkpointing:  # after the ref's copy: a frozen ref never trains
+            checkpoint_activations(policy)
         if spec.fsdp_group is not None:
             shard_model(policy, spec.fsdp_group, spec.device.type, COMPUTE_DTYPES[cfg.model.mixed_precision])
         roles.actor = Actor(policy, cfg.algorithm, cfg.trainer.actor_optim, cfg.trainer.total_steps,
@@ -239,6 +241,8 @@ def _frozen(model: torch.nn.Module, cfg: RunConfig, spec: BuildSpec) -> torch.nn
 def _build_critic(cfg: RunConfig, spec: BuildSpec, model_dir: str, dtype: torch.dtype) -> Critic:
     critic_dir = str(expand_path(cfg.model.critic_path)) if cfg.model.critic_path else model_dir
     value_model = ValueModel.from_pretrained(critic_dir, dtype, seed=cfg.trainer.seed).to(spec.device)
+    if cfg.model.gradient_checkpointing:
+        checkpoint_activations(value_model)
     if spec.fsdp_group is not None:
         shard_model(value_model, spec.fsdp_group, spec.device.type, COMPUTE_DTYPES[cfg.model.mixed_precision])
     return Critic(value_model, cfg.algorithm, cfg.trainer.critic_optim, cfg.trainer.total_steps,

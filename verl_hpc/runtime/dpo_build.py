@@ -20,7 +20,7 @@ from verl_hpc.data.preferences import PreferenceDataset, reply_ids
 from verl_hpc.data.records import RowError
 from verl_hpc.roles.actor import Actor
 from verl_hpc.roles.allocator import ResourceAllocator
-from verl_hpc.roles.fsdp import shard_model
+from verl_hpc.roles.fsdp import checkpoint_activations, shard_model
 from verl_hpc.runtime.build import (
     COMPUTE_DTYPES,
     DTYPES,
@@ -98,6 +98,8 @@ def build_dpo_roles(cfg: RunConfig, run_dir: Path, spec: BuildSpec, actor_model:
     policy.to(spec.device)
     ref = copy.deepcopy(policy).eval().requires_grad_(False)
     compute = COMPUTE_DTYPES[cfg.model.mixed_precision]
+    if cfg.model.gradient_checkpointing:
+        checkpoint_activations(policy)
     if spec.fsdp_group is not None:
         shard_model(ref, spec.fsdp_group, spec.device.type, compute)
         shard_model(policy, spec.fsdp_group, spec.device.type, compute)
