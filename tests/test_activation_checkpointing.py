@@ -82,9 +82,9 @@ def test_a_model_without_per_layer_checkpointing_is_refused_naming_the_field() -
         checkpoint_activations(torch.nn.Sequential(torch.nn.Linear(2, 2)))
 
 
-def test_a_ppo_run_with_both_switches_matches_the_plain_run(tmp_path, tiny_model_dir) -> None:
-    """`verl-hpc train`'s entry point, PPO (actor and critic recomputed, log-probs chunked
-    small): every step's metrics match the run with both switches off."""
+def test_a_ppo_run_with_the_memory_switches_matches_the_plain_run(tmp_path, tiny_model_dir) -> None:
+    """`verl-hpc train`'s entry point, PPO: actor and critic recomputed, log-probs chunked small,
+    micro-batches by a token budget; every step's metrics match the run with all three off."""
     from tests.test_runtime_embedded import quick_dict
     from verl_hpc.config import load_config
     from verl_hpc.launch.train import train
@@ -96,6 +96,8 @@ def test_a_ppo_run_with_both_switches_matches_the_plain_run(tmp_path, tiny_model
         data = quick_dict(tiny_model_dir, steps=2)
         data["model"].update(model)
         data["algorithm"]["name"] = "ppo"
+        if name == "switched":  # a budget of a few rows: many micro-batches where the plain run has one
+            data["algorithm"].update(use_dynamic_bsz=True, max_token_len_per_gpu=150)
         data["trainer"]["save_hf_model"] = False
         result = train(load_config(data=data), tmp_path / name)
         runs.append(read_jsonl_metrics(result.run_dir / "tensorboard" / "metrics.jsonl"))

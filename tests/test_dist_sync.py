@@ -53,7 +53,10 @@ def _reference_update(model_dir: str) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def _worker(rank: int, world: int, port: int, model_dir: str, out_dir: str, recompute: bool) -> None:
+DYNAMIC_BUDGET = 14  # tokens: rows of 4 prompt + 1-4 response tokens; rank 0 makes 2 groups, rank 1 3
+
+
+def _worker(rank: int, world: int, port: int, model_dir: str, out_dir: str, variant: str) -> None:
     from transformers import AutoModelForCausalLM
 
     from verl_hpc.config import AlgorithmConfig
@@ -70,13 +73,14 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out_dir: str, reco
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     engine = copy.deepcopy(model)
     if ctx.is_role("actor"):
-        if recompute:  # model.gradient_checkpointing: layers recomputed inside their FSDP units
+        if variant == "gradient_checkpointing":  # layers recomputed inside their FSDP units
             checkpoint_activations(model)
         shard_model(model, ctx.process_group, "cpu")
         actor = Actor(model, AlgorithmConfig(), OptimConfig(lr=1e-2), total_steps=1, dp_group=ctx.process_group)
         start = ctx.rank_in_group * 4
         shard = {k: v[start:start + 4] for k, v in _inputs().items()}
-        actor.update(shard, UpdatePlan(4, 2, 1))
+        # use_dynamic_bsz: micro-batches by tokens, trimmed, as many on both ranks (see the test)
+        actor.update(shard, UpdatePlan(4, 2, 1, DYNAMIC_BUDGET if variant == "dynamic_bsz" else None))
         grads = {n: full_tensor(p.grad) for n, p in model.named_parameters()}
         params = {n: full_tensor(p.detach()) for n, p in model.named_parameters()}
         if rank == 0:
@@ -97,11 +101,17 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out_dir: str, reco
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recompute", [False, True], ids=["kept", "gradient_checkpointing"])
-def test_fsdp_update_and_weight_syncs_are_exact(tmp_path: Path, tiny_model_dir: Path, recompute: bool) -> None:
-    """Against one process without activation checkpointing, whichever way the FSDP side runs."""
+@pytest.mark.parametrize("variant", ["plain", "gradient_checkpointing", "dynamic_bsz"])
+def test_fsdp_update_and_weight_syncs_are_exact(tmp_path: Path, tiny_model_dir: Path, variant: str) -> None:
+    """Against one process with fixed micro-batches and no recomputation, whichever way FSDP runs."""
+    if variant == "dynamic_bsz":  # the ranks' own token groups differ in number: agreement is exercised
+        from verl_hpc.roles.micro_batching import row_lengths, token_budget_groups
+
+        counts = [len(token_budget_groups(*row_lengths({k: v[s:s + 4] for k, v in _inputs().items()}),
+                                          DYNAMIC_BUDGET)) for s in (0, 4)]
+        assert counts[0] != counts[1], counts
     port = _free_port()
-    mp.start_processes(_worker, args=(3, port, str(tiny_model_dir), str(tmp_path), recompute), nprocs=3,
+    mp.start_processes(_worker, args=(3, port, str(tiny_model_dir), str(tmp_path), variant), nprocs=3,
                        start_method="spawn", join=True)
     expected = _reference_update(str(tiny_model_dir))
     fsdp = torch.load(tmp_path / "fsdp.pt", weights_only=True)

@@ -86,6 +86,7 @@ def _check_algorithm(cfg: RunConfig) -> None:
                          "where it is generated, and this reward runs in a group of its own",
                          "remove resources.reward (the reward then runs beside the rollout engine)")
     _check_filter_groups(cfg)
+    _check_dynamic_bsz(cfg)
 
 
 def _check_filter_groups(cfg: RunConfig) -> None:
@@ -107,6 +108,21 @@ def _check_filter_groups(cfg: RunConfig) -> None:
     if cfg.data.replay_rollouts:
         raise FieldError(field, "recorded rollouts hold one round per step",
                          "replay a run without dynamic sampling, or remove data.replay_rollouts")
+
+
+def _check_dynamic_bsz(cfg: RunConfig) -> None:
+    """Token-budget micro-batches: the budget must hold the longest possible sequence."""
+    algo = cfg.algorithm
+    if not algo.use_dynamic_bsz:
+        return
+    if algo.dpo is not None:
+        raise FieldError("algorithm.use_dynamic_bsz", "DPO's micro-batches hold each pair's chosen and rejected "
+                         "answers together, by rows", "set algorithm.use_dynamic_bsz: false")
+    longest = cfg.data.max_prompt_length + algo.sampling.max_new_tokens
+    if algo.max_token_len_per_gpu < longest:
+        raise FieldError("algorithm.max_token_len_per_gpu",
+                         f"{algo.max_token_len_per_gpu} tokens cannot hold one sequence of data.max_prompt_length + "
+                         f"sampling.max_new_tokens = {longest}", f"set it to {longest} or more")
 
 
 def _check_batches(cfg: RunConfig) -> None:

@@ -201,6 +201,12 @@ class AlgorithmConfig(StrictModel):
     ppo_epochs: int = Field(1, ge=1)
     mini_batch_size: int | None = Field(None, ge=1, description="sequences per optimizer step")
     micro_batch_size: int | None = Field(None, ge=1, description="sequences per forward pass")
+    use_dynamic_bsz: bool = Field(False, description="micro-batches by tokens instead of rows (verl's key): rows "
+                                  "grouped by length, each micro-batch cut to its own longest prompt and response "
+                                  "and kept within `max_token_len_per_gpu`; same gradient, less padding")
+    max_token_len_per_gpu: int = Field(16384, ge=1, description="with `use_dynamic_bsz`: the most tokens one "
+                                       "forward computes, rows x (longest prompt + longest response), on each "
+                                       "process (verl's ppo_max_token_len_per_gpu); a longer sequence goes alone")
     critic_warmup_steps: int = Field(0, ge=0)
     max_staleness: int = Field(0, ge=0)
     filter_groups: FilterGroupsConfig = Field(default_factory=FilterGroupsConfig, description="DAPO's dynamic "

@@ -22,7 +22,8 @@ from verl_hpc.algo import aggregate_loss, get_policy_loss, kl_penalty, masked_me
 from verl_hpc.config import AlgorithmConfig
 from verl_hpc.config.schema import LOGPROB_CHUNK_TOKENS, OptimConfig
 from verl_hpc.roles.allocator import ResourceAllocator
-from verl_hpc.roles.forward import batched_logprobs, micro_batches, response_logprobs
+from verl_hpc.roles.forward import batched_logprobs, response_logprobs
+from verl_hpc.roles.micro_batching import micro_batches_of, reassemble
 from verl_hpc.roles.optimizer import OptimizedModel
 
 
@@ -38,12 +39,14 @@ class UpdatePlan:
     mini_batch_size: int
     micro_batch_size: int
     epochs: int
+    token_budget: int | None = None  # algorithm.use_dynamic_bsz: micro-batches by tokens, not rows
 
     @classmethod
     def from_config(cls, algo: AlgorithmConfig, batch_size: int, world: int = 1) -> UpdatePlan:
         """`batch_size` is the step's global batch; the plan is for one of `world` ranks."""
         mini = (algo.mini_batch_size or batch_size) // world
-        return cls(mini, min(algo.micro_batch_size or mini, mini), algo.ppo_epochs)
+        budget = algo.max_token_len_per_gpu if algo.use_dynamic_bsz else None
+        return cls(mini, min(algo.micro_batch_size or mini, mini), algo.ppo_epochs, budget)
 
     def single_pass(self, batch_size: int) -> bool:
         return self.epochs == 1 and self.mini_batch_size >= batch_size
@@ -91,14 +94,16 @@ class Actor(OptimizedModel):
         # tokens, [B, R] in row order: what the rollout-vs-trainer check compares with the engine's.
         self.sampled_logprobs: torch.Tensor | None = None
 
-    def compute_logprobs(self, inputs: dict[str, torch.Tensor], micro_batch_size: int) -> torch.Tensor:
+    def compute_logprobs(self, inputs: dict[str, torch.Tensor], micro_batch_size: int,
+                         token_budget: int | None = None) -> torch.Tensor:
         return batched_logprobs(self.model, inputs, self.algo.sampling.temperature, micro_batch_size,
-                                self.chunk_tokens)
+                                self.chunk_tokens, token_budget, self.dp_group)
 
     def update(self, inputs: dict[str, torch.Tensor], plan: UpdatePlan) -> dict[str, float]:
         """PPO epochs over this rank's mini-batches; metrics are this rank's share (see `_optimizer_step`)."""
         batch_size = inputs["input_ids"].shape[0]
         reuse_forward = plan.single_pass(batch_size) and "old_logprobs" not in inputs
+        by_tokens = plan.token_budget is not None
         self.sampled_logprobs = None
         totals: dict[str, float] = {}
         count = 0
@@ -106,16 +111,19 @@ class Actor(OptimizedModel):
         for _ in range(plan.epochs):
             for rows in plan.mini_batches(batch_size):
                 mini = {k: v[rows] for k, v in inputs.items()}
-                # An OOM retry repeats this whole optimizer step at half the micro-batch (allocator.py).
-                stats = self.allocator.run("train", plan.micro_batch_size,
-                                           lambda size, mini=mini: self._optimizer_step(mini, size, reuse_forward))
+                # An OOM retry repeats this whole optimizer step at half the micro-batch (allocator.py),
+                # or at half the token budget.
+                stats = self.allocator.run(
+                    "train_tokens" if by_tokens else "train", plan.token_budget or plan.micro_batch_size,
+                    lambda size, mini=mini: self._optimizer_step(mini, size, reuse_forward, by_tokens))
                 for k, v in stats.items():
                     totals[k] = totals.get(k, 0.0) + v
                 count += 1
         self.scheduler.step()
         return {k: v / count for k, v in totals.items()}
 
-    def _optimizer_step(self, mini: dict[str, torch.Tensor], micro_size: int, reuse_forward: bool) -> dict[str, float]:
+    def _optimizer_step(self, mini: dict[str, torch.Tensor], micro_size: int, reuse_forward: bool,
+                        by_tokens: bool = False) -> dict[str, float]:
         """One optimizer step; loss metrics are returned pre-scaled by the data-parallel share.
 
         Each micro-batch's weight is its share of the *global* mini-batch times the number of
@@ -129,14 +137,14 @@ class Actor(OptimizedModel):
         total_rows = mini["response_mask"].shape[0]
         dp_scale = data_parallel_scale(mini["response_mask"], algo.loss_agg_mode, self.dp_group)
         sums = {"pg_loss": 0.0, "entropy": 0.0, "kl_loss": 0.0, "pg_clipfrac": 0.0, "ppo_kl": 0.0}
-        seen: list[torch.Tensor] = []
-        for micro in micro_batches(mini, micro_size):
+        seen: list[tuple[list[int], torch.Tensor]] = []
+        for rows, micro in micro_batches_of(mini, micro_size, micro_size if by_tokens else None, self.dp_group):
             mask = micro["response_mask"]
             weight = micro_weight(mask, total_tokens, total_rows, algo.loss_agg_mode) * dp_scale
             logprobs, entropy = response_logprobs(self.model, micro, algo.sampling.temperature,
                                                   with_entropy=True, chunk_tokens=self.chunk_tokens)
             old = logprobs.detach() if reuse_forward else micro["old_logprobs"]
-            seen.append(old)
+            seen.append((rows, old))
             pg, pg_stats = loss_fn(logprobs, old, micro["advantages"], mask, algo)
             loss = pg
             ent = masked_mean(entropy, mask)
@@ -153,7 +161,7 @@ class Actor(OptimizedModel):
                 sums[key] += float(value.detach()) * weight
         grad_norm = self.clip_and_step()
         if reuse_forward:
-            self.sampled_logprobs = torch.cat(seen, dim=0)
+            self.sampled_logprobs = reassemble(seen, total_rows, mini["response_mask"].shape[1])
         return {**sums, "grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0]}
 
     def old_logprobs_needed(self, plan: UpdatePlan, batch_size: int) -> bool:

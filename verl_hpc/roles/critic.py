@@ -14,7 +14,7 @@ from verl_hpc.algo import value_loss
 from verl_hpc.config import AlgorithmConfig
 from verl_hpc.config.schema import OptimConfig
 from verl_hpc.roles.actor import UpdatePlan, data_parallel_scale, micro_weight
-from verl_hpc.roles.forward import micro_batches
+from verl_hpc.roles.micro_batching import micro_batches_of, reassemble
 from verl_hpc.roles.optimizer import OptimizedModel
 
 
@@ -55,9 +55,12 @@ class Critic(OptimizedModel):
         self.algo = algo
 
     @torch.no_grad()
-    def compute_values(self, inputs: dict[str, torch.Tensor], micro_batch_size: int) -> torch.Tensor:
+    def compute_values(self, inputs: dict[str, torch.Tensor], micro_batch_size: int,
+                       token_budget: int | None = None) -> torch.Tensor:
         self.model.eval()
-        return torch.cat([self.model(mb) for mb in micro_batches(inputs, micro_batch_size)], dim=0)
+        parts = [(rows, self.model(mb)) for rows, mb in micro_batches_of(inputs, micro_batch_size, token_budget,
+                                                                           self.dp_group)]
+        return reassemble(parts, inputs["input_ids"].shape[0], inputs["response_mask"].shape[1])
 
     def update(self, inputs: dict[str, torch.Tensor], plan: UpdatePlan) -> dict[str, float]:
         """Value regression over this rank's mini-batches (same slices every epoch, as the actor)."""
@@ -68,19 +71,20 @@ class Critic(OptimizedModel):
         for _ in range(plan.epochs):
             for rows in plan.mini_batches(batch_size):
                 mini = {k: v[rows] for k, v in inputs.items()}
-                for key, value in self._optimizer_step(mini, plan.micro_batch_size).items():
+                for key, value in self._optimizer_step(mini, plan.micro_batch_size, plan.token_budget).items():
                     sums[key] = sums.get(key, 0.0) + value
                 count += 1
         self.scheduler.step()
         return {k: v / count for k, v in sums.items()}
 
-    def _optimizer_step(self, mini: dict[str, torch.Tensor], micro_size: int) -> dict[str, float]:
+    def _optimizer_step(self, mini: dict[str, torch.Tensor], micro_size: int,
+                        token_budget: int | None = None) -> dict[str, float]:
         """Loss metrics are pre-scaled by the data-parallel share, as in `Actor._optimizer_step`."""
         self.optimizer.zero_grad(set_to_none=True)
         total_tokens = mini["response_mask"].sum().clamp(min=1)
         sums = {"vf_loss": 0.0, "vf_clipfrac": 0.0}
         dp_scale = data_parallel_scale(mini["response_mask"], self.algo.loss_agg_mode, self.dp_group)
-        for micro in micro_batches(mini, micro_size):
+        for _, micro in micro_batches_of(mini, micro_size, token_budget, self.dp_group):
             mask = micro["response_mask"]
             weight = micro_weight(mask, total_tokens, mini["response_mask"].shape[0], self.algo.loss_agg_mode)
             values = self.model(micro)

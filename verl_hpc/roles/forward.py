@@ -12,11 +12,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+import torch.distributed as dist
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 from verl_hpc.algo import entropy_from_logits, logprobs_from_logits
 from verl_hpc.config.schema import LOGPROB_CHUNK_TOKENS
+from verl_hpc.roles.micro_batching import micro_batches_of, reassemble
 
 # Config fields with which a model changes its logits after the output head (Gemma's
 # soft-capping, Cohere's and Granite's scales): the chunked path would skip that step, so
@@ -144,20 +146,18 @@ def chunked_token_stats(hidden: torch.Tensor, head: torch.nn.Linear, labels: tor
     return logprob, torch.cat(entropies).view(rows, resp_len) if with_entropy else None
 
 
-def micro_batches(inputs: dict[str, torch.Tensor], size: int) -> Iterator[dict[str, torch.Tensor]]:
-    """Slices of a dict of [B, ...] tensors along the batch dimension."""
-    total = next(iter(inputs.values())).shape[0]
-    for start in range(0, total, size):
-        yield {k: v[start:start + size] for k, v in inputs.items()}
-
-
 @torch.no_grad()
 def batched_logprobs(model: torch.nn.Module, inputs: dict[str, torch.Tensor], temperature: float,
-                     micro_batch_size: int, chunk_tokens: int = LOGPROB_CHUNK_TOKENS) -> torch.Tensor:
-    """Inference-only logprobs over micro-batches (reference policy, old policy)."""
-    parts = [response_logprobs(model, mb, temperature, chunk_tokens=chunk_tokens)[0]
-             for mb in micro_batches(inputs, micro_batch_size)]
-    return torch.cat(parts, dim=0)
+                     micro_batch_size: int, chunk_tokens: int = LOGPROB_CHUNK_TOKENS, token_budget: int | None = None,
+                     group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Inference-only logprobs over micro-batches (reference policy, old policy), [B, R] in row order.
+
+    `token_budget`/`group`: micro-batches by tokens, as many on every rank of the
+    data-parallel `group` (micro_batching.py); columns trimmed away come back as 0 (padding).
+    """
+    parts = [(rows, response_logprobs(model, mb, temperature, chunk_tokens=chunk_tokens)[0])
+             for rows, mb in micro_batches_of(inputs, micro_batch_size, token_budget, group)]
+    return reassemble(parts, inputs["input_ids"].shape[0], inputs["response_mask"].shape[1])
 
 
 def to_device(inputs: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:

@@ -98,7 +98,7 @@ class RLTrainer(StepCounters):
         if algo.kl.in_reward or p.roles.actor.old_logprobs_needed(p.plan(), rows):  # type: ignore[union-attr]
             with timer("old_log_prob"):
                 inputs["old_logprobs"] = p.roles.actor.compute_logprobs(  # type: ignore[union-attr]
-                    inputs, p.plan().micro_batch_size)
+                    inputs, p.plan().micro_batch_size, p.plan().token_budget)
         if algo.needs_critic:
             with timer("values"):
                 inputs["values"] = p.values(batch, inputs)

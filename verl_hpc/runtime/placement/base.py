@@ -126,11 +126,14 @@ class Placement:
         return batch
 
     def ref_logprobs(self, batch: RolloutBatch, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        plan, actor = self.plan(), self.roles.actor
         return batched_logprobs(self.roles.ref_model, inputs, self.cfg.algorithm.sampling.temperature,
-                                self.plan().micro_batch_size, self.cfg.model.logprob_chunk_tokens)
+                                plan.micro_batch_size, self.cfg.model.logprob_chunk_tokens, plan.token_budget,
+                                actor.dp_group if actor is not None else None)  # the ref shards with the actor
 
     def values(self, batch: RolloutBatch, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self.roles.critic.compute_values(inputs, self.plan().micro_batch_size)  # type: ignore[union-attr]
+        plan = self.plan()
+        return self.roles.critic.compute_values(inputs, plan.micro_batch_size, plan.token_budget)  # type: ignore[union-attr]
 
     def update_critic(self, batch: RolloutBatch, inputs: dict[str, torch.Tensor]) -> dict[str, float]:
         return self.roles.critic.update(inputs, self.plan())  # type: ignore[union-attr]

@@ -129,11 +129,13 @@ class RoleService:
             return roles.reward.score(batch).tolist()  # type: ignore[union-attr]
         inputs = to_device(batch.model_inputs(roles.pad_id), roles.device)
         micro = algo.micro_batch_size or len(batch)
+        budget = algo.max_token_len_per_gpu if algo.use_dynamic_bsz else None
         if self.role == "critic":
-            out = roles.critic.compute_values(inputs, micro)  # type: ignore[union-attr]
+            out = roles.critic.compute_values(inputs, micro, budget)  # type: ignore[union-attr]
         else:
+            sharded = p.ctx.group.size > 1 and p.ctx.group.resources.strategy == "fsdp"
             out = batched_logprobs(roles.ref_model, inputs, algo.sampling.temperature, micro,
-                                   p.cfg.model.logprob_chunk_tokens)
+                                   p.cfg.model.logprob_chunk_tokens, budget, p.ctx.process_group if sharded else None)
         lengths = batch.response_lengths()
         values = out.float().cpu().numpy()
         return [values[i, :lengths[i]].tolist() for i in range(len(batch))]
