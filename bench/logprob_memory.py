@@ -2,8 +2,9 @@
 
 What is measured: one `response_logprobs(..., with_entropy=True)` pass with its backward,
 the loss the actor's update takes (log-probs and entropy of every response token), on the
-same model and batch, once with `model.logprob_chunk_tokens` at its default and once with
-0 (the whole `[tokens, vocab]` logits at once, the baseline). Each variant runs in a fresh
+same model and batch, in three variants: `model.logprob_chunk_tokens: 0` (the whole
+`[tokens, vocab]` logits at once, the baseline), the default chunks, and the default chunks
+with `model.gradient_checkpointing` on. Each variant runs in a fresh
 process so one's freed memory cannot hide the other's peak, and the pass runs twice there:
 the second is measured, as the steady state every training step repeats. A sampling thread
 reads the process's resident set every 2 ms during it; the figure is the peak minus the
@@ -14,12 +15,13 @@ Models: SmolLM2-135M-Instruct (vocab 49k) when `tools/make_smollm2.py` has built
 random model of the same vocab and a small body, which shows the same logits term.
 `--quick`: the small body, a small batch in chunks of 128 tokens, one repetition (a smoke
 test in CI).
-Reported: ratios chunked / whole of the pass's peak memory and of its time (median, min-max).
+Reported: ratios variant / whole of the pass's peak memory and of its time (median, min-max).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -52,7 +54,8 @@ def _model(model: str):  # -> a causal LM
     return build_model(body, VOCAB, pad_id=0, eos_id=1, seed=0)
 
 
-def measure(model: str, rows: int, prompt: int, response: int, chunk: int) -> dict[str, Any]:
+def measure(model: str, rows: int, prompt: int, response: int, chunk: int, recompute: bool = False,
+            ) -> dict[str, Any]:
     """In this process: one pass and its backward; peak extra resident bytes, seconds, a checksum."""
     import gc
 
@@ -62,6 +65,10 @@ def measure(model: str, rows: int, prompt: int, response: int, chunk: int) -> di
 
     torch.manual_seed(0)
     net = _model(model)
+    if recompute:
+        from verl_hpc.roles.fsdp import checkpoint_activations
+
+        checkpoint_activations(net).train()
     vocab = net.config.vocab_size
     ids = torch.randint(2, vocab, (rows, prompt + response))
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids),
@@ -95,11 +102,15 @@ def measure(model: str, rows: int, prompt: int, response: int, chunk: int) -> di
             "logprob_sum": float(logprobs.double().sum())}
 
 
-def _in_fresh_process(model: str, rows: int, prompt: int, response: int, chunk: int) -> dict[str, Any]:
+def _in_fresh_process(model: str, rows: int, prompt: int, response: int, chunk: int,
+                      recompute: bool = False) -> dict[str, Any]:
     code = ("import json, sys; from bench.logprob_memory import measure; "
-            f"print(json.dumps(measure({model!r}, {rows}, {prompt}, {response}, {chunk})))")
+            f"print(json.dumps(measure({model!r}, {rows}, {prompt}, {response}, {chunk}, {recompute})))")
+    # A fixed mmap threshold: glibc otherwise raises it after large frees and keeps later large
+    # tensors on its heap, so a freed tensor's pages would stay resident and hide the next peak.
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                          cwd=Path(__file__).resolve().parents[1])
+                          cwd=Path(__file__).resolve().parents[1], env=env)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -107,34 +118,43 @@ def _ratio(values: list[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
+VARIANTS = ("whole", "chunked", "chunked+recompute")  # the first is the baseline
+
+
 def run(quick: bool = False, scratch: str | None = None) -> dict[str, Any]:
     model = "smollm2" if SMOLLM2.is_dir() and not quick else "random-49k"
-    rows, prompt, response = (8, 16, 64) if quick else (16, 128, 64)
-    reps, chunk = (1, QUICK_CHUNK) if quick else (3, CHUNK)
-    samples: dict[str, list[dict[str, Any]]] = {"chunked": [], "whole": []}
-    for _ in range(reps):  # alternated, so a busier moment of the machine hits both
-        samples["whole"].append(_in_fresh_process(model, rows, prompt, response, 0))
-        samples["chunked"].append(_in_fresh_process(model, rows, prompt, response, chunk))
-    pairs = list(zip(samples["chunked"], samples["whole"], strict=True))
-    agree = all(abs(c["logprob_sum"] - w["logprob_sum"]) <= 1e-4 * max(1.0, abs(w["logprob_sum"])) for c, w in pairs)
-    memory = [c["peak_extra_bytes"] / max(w["peak_extra_bytes"], 1) for c, w in pairs]
-    seconds = [c["seconds"] / w["seconds"] for c, w in pairs]
+    # Full: the issue's SmolLM2 batch, 8 prompts x 4 samples of 128 + 64 tokens (2 chunks).
+    rows, prompt, response = (8, 16, 64) if quick else (32, 128, 64)
+    reps, chunk = (1, QUICK_CHUNK) if quick else (2, CHUNK)
+    settings = {"whole": (0, False), "chunked": (chunk, False), "chunked+recompute": (chunk, True)}
+    samples: dict[str, list[dict[str, Any]]] = {name: [] for name in VARIANTS}
+    for _ in range(reps):  # alternated, so a busier moment of the machine hits every variant
+        for name in VARIANTS:
+            samples[name].append(_in_fresh_process(model, rows, prompt, response, *settings[name]))
+    whole = samples["whole"]
+    agree = all(abs(r["logprob_sum"] - w["logprob_sum"]) <= 1e-4 * max(1.0, abs(w["logprob_sum"]))
+                for name in VARIANTS[1:] for r, w in zip(samples[name], whole, strict=True))
+    ratios = {}
+    for name in VARIANTS[1:]:
+        pairs = list(zip(samples[name], whole, strict=True))
+        ratios[f"peak_memory/{name}"] = _ratio([r["peak_extra_bytes"] / max(w["peak_extra_bytes"], 1)
+                                                for r, w in pairs])
+        ratios[f"time/{name}"] = _ratio([r["seconds"] / w["seconds"] for r, w in pairs])
     return {"model": model, "rows": rows, "prompt": prompt, "response": response, "chunk_tokens": chunk,
-            "vocab": samples["whole"][0]["vocab"], "samples": samples, "logprobs_agree": agree,
-            "ratios": {"peak_memory": _ratio(memory), "time": _ratio(seconds)}}
+            "vocab": whole[0]["vocab"], "samples": samples, "logprobs_agree": agree, "ratios": ratios}
 
 
 def table(result: dict[str, Any]) -> str:
     tokens = result["rows"] * result["response"]
     lines = [f"actor pass (forward + backward) on {result['model']} (vocab {result['vocab']}), "
              f"{result['rows']} rows x ({result['prompt']} prompt + {result['response']} response) = "
-             f"{tokens} response tokens; chunk {result['chunk_tokens']} tokens vs whole logits",
-             f"{'variant':<10}{'peak extra MB':>15}{'seconds':>10}"]
-    for name in ("whole", "chunked"):
+             f"{tokens} response tokens; chunks of {result['chunk_tokens']} tokens against the whole logits",
+             f"{'variant':<20}{'peak extra MB':>15}{'seconds':>10}"]
+    for name in result["samples"]:
         runs = result["samples"][name]
-        lines.append(f"{name:<10}{statistics.median(r['peak_extra_bytes'] for r in runs) / 2**20:>15.0f}"
+        lines.append(f"{name:<20}{statistics.median(r['peak_extra_bytes'] for r in runs) / 2**20:>15.0f}"
                      f"{statistics.median(r['seconds'] for r in runs):>10.2f}")
     for name, r in result["ratios"].items():
-        lines.append(f"ratio chunked/whole {name}: {r['median']:.2f} ({r['min']:.2f}-{r['max']:.2f})")
+        lines.append(f"ratio {name} / whole: {r['median']:.2f} ({r['min']:.2f}-{r['max']:.2f})")
     lines.append(f"log-probs agree: {result['logprobs_agree']}")
     return "\n".join(lines)
