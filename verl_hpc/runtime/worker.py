@@ -150,7 +150,8 @@ def run() -> int:
 
 
 def exit_now(code: int) -> None:
-    """Leave without interpreter finalization, once everything that matters is closed.
+    """Leave without interpreter finalization, once everything that matters is closed (a run
+    that finished or stopped cleanly; a failure exits normally, see `__main__`).
 
     Why: by the time `run` returns, the process groups are destroyed, the last checkpoint is
     committed, the metric files and the rollout server are closed, and any engine process
@@ -167,4 +168,10 @@ def exit_now(code: int) -> None:
 
 
 if __name__ == "__main__":
-    exit_now(run())
+    _code = run()
+    if _code == 1:
+        # A failing rank leaves the slow way. Rank 0 hosts the rendezvous store, and the
+        # survivors read every rank's last phase and pulse from it to name the suspect; an
+        # immediate exit there made them blame rank 0 instead of the rank that died.
+        sys.exit(_code)
+    exit_now(_code)
