@@ -39,7 +39,7 @@ def inputs(rows: int = 6, prompt: int = 5, response: int = 9, seed: int = 1) -> 
 def test_chunks_give_the_whole_logits_numbers_and_gradients(preset: str, temperature: float) -> None:
     batch = inputs()
     results = {}
-    for chunk in (0, 7, 10_000):  # whole; chunks not dividing the 54 tokens; one chunk
+    for chunk in (0, 7, 53):  # whole; chunks not dividing the 54 tokens; a chunk and a row
         model = tiny(preset)
         logprobs, entropy = response_logprobs(model, batch, temperature, with_entropy=True, chunk_tokens=chunk)
         mask = batch["response_mask"]
@@ -48,7 +48,7 @@ def test_chunks_give_the_whole_logits_numbers_and_gradients(preset: str, tempera
         results[chunk] = logprobs.detach(), entropy.detach(), grads
     whole_lp, whole_ent, whole_grads = results[0]
     assert whole_lp.shape == batch["response_mask"].shape
-    for chunk in (7, 10_000):
+    for chunk in (7, 53):
         lp, ent, grads = results[chunk]
         torch.testing.assert_close(lp, whole_lp, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(ent, whole_ent, rtol=1e-5, atol=1e-5)
@@ -98,6 +98,14 @@ def test_backward_keeps_no_logits_beyond_a_chunk() -> None:
     assert largest_saved(tiny(), batch, chunk=0) >= tokens * VOCAB
     assert largest_saved(tiny(), batch, chunk=16) <= max(16 * VOCAB, weight)
     assert tokens * VOCAB > weight  # the test means something: the whole logits outsize the head
+
+
+def test_a_batch_within_one_chunk_keeps_the_whole_paths_numbers_bit_for_bit() -> None:
+    model, batch = tiny(), inputs()  # 54 response tokens
+    with torch.no_grad():
+        whole, _ = response_logprobs(model, batch, 1.0, chunk_tokens=0)
+        within, _ = response_logprobs(model, batch, 1.0, chunk_tokens=54)
+    assert torch.equal(within, whole)
 
 
 def test_models_that_rescale_their_logits_take_the_whole_path() -> None:

