@@ -76,7 +76,11 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out_dir: str, vari
         if variant == "gradient_checkpointing":  # layers recomputed inside their FSDP units
             checkpoint_activations(model)
         shard_model(model, ctx.process_group, "cpu")
-        actor = Actor(model, AlgorithmConfig(), OptimConfig(lr=1e-2), total_steps=1, dp_group=ctx.process_group)
+        # With recomputed layers the log-probs also go in chunks of 3 tokens (16 per rank): the
+        # chunked head under FSDP2's root hooks, against one process computing its logits whole.
+        chunk = 3 if variant == "gradient_checkpointing" else 0
+        actor = Actor(model, AlgorithmConfig(), OptimConfig(lr=1e-2), total_steps=1, dp_group=ctx.process_group,
+                      chunk_tokens=chunk)
         start = ctx.rank_in_group * 4
         shard = {k: v[start:start + 4] for k, v in _inputs().items()}
         # use_dynamic_bsz: micro-batches by tokens, trimmed, as many on both ranks (see the test)
