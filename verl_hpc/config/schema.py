@@ -232,6 +232,11 @@ class AlgorithmConfig(StrictModel):
         return get_estimator(self.adv_estimator or PRESET_ESTIMATORS[self.name])
 
     @property
+    def token_budget(self) -> int | None:
+        """Tokens per micro-batch with `use_dynamic_bsz`, else None (micro-batches by rows)."""
+        return self.max_token_len_per_gpu if self.use_dynamic_bsz else None
+
+    @property
     def needs_critic(self) -> bool:
         return self.dpo is None and self.estimator.needs_critic
 

@@ -45,8 +45,7 @@ class UpdatePlan:
     def from_config(cls, algo: AlgorithmConfig, batch_size: int, world: int = 1) -> UpdatePlan:
         """`batch_size` is the step's global batch; the plan is for one of `world` ranks."""
         mini = (algo.mini_batch_size or batch_size) // world
-        budget = algo.max_token_len_per_gpu if algo.use_dynamic_bsz else None
-        return cls(mini, min(algo.micro_batch_size or mini, mini), algo.ppo_epochs, budget)
+        return cls(mini, min(algo.micro_batch_size or mini, mini), algo.ppo_epochs, algo.token_budget)
 
     def single_pass(self, batch_size: int) -> bool:
         return self.epochs == 1 and self.mini_batch_size >= batch_size

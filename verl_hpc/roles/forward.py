@@ -28,10 +28,21 @@ _LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scali
 
 def response_logits(model: torch.nn.Module, inputs: dict[str, torch.Tensor], temperature: float) -> torch.Tensor:
     """Logits predicting each response token, [B, R, V], divided by the sampling temperature."""
+    return tempered(_response_outputs(model, inputs), unsampled_token(model), temperature)
+
+
+def _response_outputs(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The model's outputs (logits, or hidden states under `_head_passes_hidden`) at the
+    positions that predict each response token: the head skips the prompt."""
     resp_len = inputs["response_mask"].shape[1]
     out = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
                 position_ids=inputs["position_ids"], logits_to_keep=resp_len + 1, use_cache=False)
-    logits = exclude_padding(out.logits[:, :-1, :], unsampled_token(model))
+    return out.logits[:, :-1, :]
+
+
+def tempered(logits: torch.Tensor, pad_id: int | None, temperature: float) -> torch.Tensor:
+    """The sampled distribution's logits: padding excluded, divided by the temperature."""
+    logits = exclude_padding(logits, pad_id)
     return logits / temperature if temperature != 1.0 else logits
 
 
@@ -73,7 +84,7 @@ def response_logprobs(model: torch.nn.Module, inputs: dict[str, torch.Tensor], t
         logits = response_logits(model, inputs, temperature).float()
         logprobs = logprobs_from_logits(logits, labels)
         return logprobs, entropy_from_logits(logits) if with_entropy else None
-    hidden = response_hidden(model, inputs)
+    hidden = response_hidden(model, head, inputs)
     return chunked_token_stats(hidden, head, labels, temperature, unsampled_token(model), with_entropy,
                                chunk_tokens)
 
@@ -100,26 +111,21 @@ def _head_passes_hidden(head: torch.nn.Module) -> Iterator[None]:
         del head.forward
 
 
-def response_hidden(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+def response_hidden(model: torch.nn.Module, head: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
     """Last hidden states at the positions that predict each response token, [B, R, H].
 
     Why through the model's own forward and not its decoder submodule: under FSDP2 the
     root module's hooks gather the parameters it holds (embeddings, final norm, head) and
     drive the backward's reduce-scatter; calling a submodule directly would skip them.
     """
-    head = model.get_output_embeddings()
-    resp_len = inputs["response_mask"].shape[1]
     with _head_passes_hidden(head):
-        out = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
-                    position_ids=inputs["position_ids"], logits_to_keep=resp_len + 1, use_cache=False)
-    return out.logits[:, :-1, :]
+        return _response_outputs(model, inputs)
 
 
 def _token_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
                  temperature: float, pad_id: int | None, with_entropy: bool) -> tuple[torch.Tensor, ...]:
     """One chunk: the same logits as `response_logits` (padding excluded, tempered), then stats."""
-    logits = exclude_padding(F.linear(hidden, weight, bias), pad_id)
-    logits = (logits / temperature if temperature != 1.0 else logits).float()
+    logits = tempered(F.linear(hidden, weight, bias), pad_id, temperature).float()
     logprobs = logprobs_from_logits(logits, labels)
     return (logprobs, entropy_from_logits(logits)) if with_entropy else (logprobs,)
 

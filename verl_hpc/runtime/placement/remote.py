@@ -129,7 +129,7 @@ class RoleService:
             return roles.reward.score(batch).tolist()  # type: ignore[union-attr]
         inputs = to_device(batch.model_inputs(roles.pad_id), roles.device)
         micro = algo.micro_batch_size or len(batch)
-        budget = algo.max_token_len_per_gpu if algo.use_dynamic_bsz else None
+        budget = algo.token_budget
         if self.role == "critic":
             out = roles.critic.compute_values(inputs, micro, budget)  # type: ignore[union-attr]
         else:
