@@ -73,10 +73,22 @@ def _running_split_job(run_dir: Path, model: Path, timeout_seconds: int):
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     launcher = psutil.Process(cli.pid)
     metrics = run_dir / "tensorboard" / "metrics.jsonl"
-    deadline = time.monotonic() + 120
+    # Four workers importing torch on two cores that another pytest session also loads took
+    # over 120 s to log three steps in CI (1 Dec): the wait is long, and a run that never gets
+    # there fails with its own output rather than as a missing rank.
+    deadline = time.monotonic() + 400
     while time.monotonic() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 3):
+        if cli.poll() is not None:
+            break
         time.sleep(0.5)
-    return cli, _workers(launcher), [launcher, *launcher.children(recursive=True)]
+    workers = _workers(launcher)
+    if sorted(workers) != [0, 1, 2, 3]:
+        for process in [*launcher.children(recursive=True), launcher]:
+            process.kill()
+        _, stderr = cli.communicate(timeout=60)
+        pytest.fail(f"the split run did not log 3 steps with its 4 workers up (found ranks {sorted(workers)}): "
+                    f"{stderr[-2000:]}")
+    return cli, workers, [launcher, *launcher.children(recursive=True)]
 
 
 def _left_alive(processes: list[psutil.Process]) -> list[psutil.Process]:

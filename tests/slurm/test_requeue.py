@@ -47,11 +47,11 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return init_model(tmp_path_factory.mktemp("requeue") / "tiny", preset="tiny", seed=0)
 
 
-def reference(tmp: Path, model: Path, steps: int, config: str = "configs/slurm_local.yaml") -> list[dict]:
+def reference(tmp: Path, model: Path, steps: int, *overrides: str, config: str = "configs/slurm_local.yaml") -> list[dict]:
     """The same config, uninterrupted, through the local launcher."""
     run_dir = tmp / f"reference{steps}"
     done = cli("train", config, "--run-dir", str(run_dir), f"model.path={model}",
-               f"trainer.total_steps={steps}", "checkpoint.interval_steps=10", "logging.progress=off")
+               f"trainer.total_steps={steps}", "checkpoint.interval_steps=10", "logging.progress=off", *overrides)
     assert done.returncode == 0, done.stderr[-3000:]
     return stable(run_dir)
 
@@ -113,7 +113,7 @@ def test_ppo_with_every_role_apart_is_a_four_component_hetjob_that_survives_a_re
     script = cli("sbatch", config, f"model.path={model}")
     assert script.returncode == 0, script.stderr
     assert [line.strip() for line in script.stdout.splitlines()].count("#SBATCH hetjob") == 3  # four components
-    expected = reference(tmp_path, model, 40, config)
+    expected = reference(tmp_path, model, 40, config=config)
     run_dir = tmp_path / "roles_apart"
     job = submit(run_dir, model, "trainer.total_steps=40", config=config)
     assert slurm_cluster.wait_for(lambda: steps_done(run_dir) >= 12, timeout=300)
@@ -126,16 +126,30 @@ def test_ppo_with_every_role_apart_is_a_four_component_hetjob_that_survives_a_re
         "env_trainer_rank0.json", "env_critic_rank1.json", "env_rollout_rank2.json", "env_reward_rank3.json"}
 
 
+SLOW_UNDER_SLURM = '''
+import os, time
+from verl_hpc.data.tasks.arithmetic import score as exact
+def score(**sample):
+    if "SLURM_JOB_ID" in os.environ:
+        time.sleep(0.02)
+    return exact(**sample)
+'''
+
+
 def test_time_limit_signal_requeues_until_done(slurm_cluster: SlurmCluster, model: Path, tmp_path: Path) -> None:
     """`--time=2 --signal=B:USR1@60`: USR1 arrives 30-60 s before the limit (Slurm checks twice a minute)."""
-    steps = 200
-    expected = reference(tmp_path, model, steps)
+    # An attempt trains for at most ~75 s: the signal comes 30-60 s before the 120 s limit and
+    # starting takes 15-30 s (measured on this 2-core machine; 25-45 s were left to train under
+    # load). A reward that waits 20 ms per sample under Slurm only makes the job need at least
+    # 32 * 128 * 0.02 = 82 s of training however fast the host, so it must requeue, while a
+    # loaded host does not multiply the attempts as 200 plain steps did (8 attempts, 18 minutes
+    # in CI); the uninterrupted reference stays fast.
+    steps = 32
+    (tmp_path / "slow_reward.py").write_text(SLOW_UNDER_SLURM)
+    reward = f"reward.function={tmp_path / 'slow_reward.py'}:score"
+    expected = reference(tmp_path, model, steps, reward)
     run_dir = tmp_path / "timed"
-    # Why two minutes: an attempt spends ~30 s starting (measured 2026-12-01 on this 2-core
-    # machine, the previous runtime and this one alike), and on the local cluster a requeued
-    # attempt's notice came sooner each time (23, 18, 14, 12, 9, 4 s in under --time=1): with
-    # one minute most attempts trained one step. The budget keeps room for a loaded host.
-    job = submit(run_dir, model, f"trainer.total_steps={steps}", "slurm.time=00:02:00",
+    job = submit(run_dir, model, f"trainer.total_steps={steps}", "slurm.time=00:02:00", reward,
                  "slurm.signal_grace_seconds=60", "slurm.max_requeues=25")
     records = finish(slurm_cluster, job, timeout=1500)
     assert {r["JobState"] for r in records} == {"COMPLETED"}, records
