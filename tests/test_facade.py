@@ -81,7 +81,7 @@ def test_device_type_cpu_runs_a_cuda_config_on_cpu(tmp_path: Path) -> None:
     assert res.critic is None and res.ref is None  # roles that were not set stay unset
     assert res.comm_backend == "auto" and res.resolved_backend() == "gloo"
     assert res.rollout.vllm_args.enable_sleep_mode is False and res.rollout.vllm_args.gpu_memory_utilization == 0.85
-    assert cfg.model.dtype == "float32" and cfg.model.mixed_precision == "none"
+    assert cfg.model.dtype == "float32" and cfg.model.mixed_precision == "auto"  # = fp32 compute on CPU
     assert load_config(data=cfg.model_dump(mode="json", by_alias=True)) == cfg  # config.yaml reloads as is
     # without the switch, a GPU-only option on a CPU role still fails, naming the field
     with pytest.raises(ConfigError, match=r"model\.mixed_precision"):

@@ -57,7 +57,7 @@ DESCRIPTIONS: dict[str, str] = {
     "model.init_preset": "build a random-weight model + tokenizer of this preset ({presets}) at `path` if missing",
     "model.init_seed": "seed of the weights and tokenizer built by `init_preset`",
     "model.dtype": "parameter dtype of the policy (and critic); CPU training needs `float32`",
-    "model.mixed_precision": "FSDP2 compute dtype on GPUs (`bfloat16`/`float16`); master weights, optimizer state and gradient reduction stay fp32; `none` = fp32 compute",
+    "model.mixed_precision": "compute dtype of forward and backward (FSDP2's param dtype, autocast on a lone rank); master weights, optimizer state and gradient reduction stay fp32. `auto`: `bfloat16` on a CUDA GPU that has it natively, fp32 (`none`) elsewhere, CPUs included; `bfloat16`/`float16` are for GPUs",
     "model.critic_path": "PPO: Hugging Face directory the critic starts from; unset = `model.path`",
     # data
     "data.train_files": "prompt files (`.parquet`, `.jsonl`, `.json`), read in order and concatenated",

@@ -48,6 +48,8 @@ def test_embedded_run_on_cuda_learns_checkpoints_and_resumes(tmp_path: Path, tin
     early, late = window_means(series["critic/score/mean"])
     assert late > early + 0.3, (early, late)
     assert max(series["memory/max_allocated_gb"]) > 0  # the tensors really lived on the GPU
+    if torch.cuda.is_bf16_supported():  # model.mixed_precision: auto = bf16 compute, fp32 weights
+        assert "computes in torch.bfloat16 (model.mixed_precision: auto, autocast)" in _logs(run_dir)
     assert (run_dir / "checkpoints" / "step_00000300" / "manifest.json").is_file()
 
     resumed = run_cli("train", "configs/quickstart.yaml", *common, "trainer.total_steps=320")
@@ -65,6 +67,8 @@ def test_colocated_fsdp_actor_on_cuda_joins_an_nccl_world(tmp_path: Path, tiny_m
                    *REWARD_PROCESS)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "backend nccl" in _logs(run_dir)
+    if torch.cuda.is_bf16_supported():
+        assert "computes in torch.bfloat16 (model.mixed_precision: auto, FSDP2)" in _logs(run_dir)
     series = scalars(run_dir)
     early, late = window_means(series["critic/score/mean"])
     assert late > early + 0.3, (early, late)
@@ -79,6 +83,8 @@ def test_split_cuda_actor_syncs_weights_to_a_cpu_rollout(tmp_path: Path, tiny_mo
                    "resources.rollout.device_ids=[1]", "resources.reward.device_ids=[2]")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "backend nccl" in _logs(run_dir)
+    if torch.cuda.is_bf16_supported():
+        assert "computes in torch.bfloat16 (model.mixed_precision: auto, FSDP2)" in _logs(run_dir)
     series = scalars(run_dir)
     assert max(series["rollout/policy_lag"]) == 0.0  # every batch came from the newest CUDA weights
     assert series["actor/policy_version"][-1] >= 149

@@ -371,7 +371,7 @@ def _check_roles(cfg: RunConfig) -> None:
         raise FieldError("resources.ref.strategy", "none disables the reference model, but "
                          f"algorithm.kl.estimator is {cfg.algorithm.kl.estimator}",
                          "set algorithm.kl.estimator: off, or give ref a strategy")
-    if cfg.model.mixed_precision != "none" and res.actor.device_type == "cpu":
+    if cfg.model.mixed_precision not in ("auto", "none") and res.actor.device_type == "cpu":
         raise FieldError("model.mixed_precision", f"{cfg.model.mixed_precision} compute is for GPUs",
                          "use model.mixed_precision: none (fp32) on CPU")
     if cfg.model.dtype != "float32" and "cpu" in {res.actor.device_type}:

@@ -37,8 +37,10 @@ class ModelConfig(StrictModel):
     init_preset: str | None = None
     init_seed: int = 0
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    # FSDP2 compute dtype; master weights, optimizer state and gradient reduction stay fp32.
-    mixed_precision: Literal["none", "bfloat16", "float16"] = "none"
+    mixed_precision: Literal["auto", "none", "bfloat16", "float16"] = Field(
+        "auto", description="the compute dtype of forward and backward (FSDP2's param dtype, or autocast "
+        "on a lone rank); master weights, gradient reduction and optimizer state stay fp32. auto: bfloat16 "
+        "on a CUDA GPU that has it natively, fp32 (none) elsewhere, CPUs included")
     critic_path: str | None = None
     logprob_chunk_tokens: int = Field(
         LOGPROB_CHUNK_TOKENS, ge=0, description="log-probs and entropies are computed this many tokens at a time "

@@ -125,7 +125,8 @@ def response_hidden(model: torch.nn.Module, head: torch.nn.Module, inputs: dict[
 def _token_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
                  temperature: float, pad_id: int | None, with_entropy: bool) -> tuple[torch.Tensor, ...]:
     """One chunk: the same logits as `response_logits` (padding excluded, tempered), then stats."""
-    logits = tempered(F.linear(hidden, weight, bias), pad_id, temperature).float()
+    # Under autocast the hidden states are bf16 while the head's weight stays fp32.
+    logits = tempered(F.linear(hidden.to(weight.dtype), weight, bias), pad_id, temperature).float()
     logprobs = logprobs_from_logits(logits, labels)
     return (logprobs, entropy_from_logits(logits)) if with_entropy else (logprobs,)
 

@@ -21,8 +21,8 @@ from verl_hpc.data.records import RowError
 from verl_hpc.roles.actor import Actor
 from verl_hpc.roles.allocator import ResourceAllocator
 from verl_hpc.roles.fsdp import checkpoint_activations, shard_model
+from verl_hpc.roles.precision import apply_compute_dtype
 from verl_hpc.runtime.build import (
-    COMPUTE_DTYPES,
     DTYPES,
     BuildSpec,
     Roles,
@@ -97,12 +97,13 @@ def build_dpo_roles(cfg: RunConfig, run_dir: Path, spec: BuildSpec, actor_model:
         load_causal_lm(str(actor_model) if actor_model is not None else model_dir, DTYPES[cfg.model.dtype])
     policy.to(spec.device)
     ref = copy.deepcopy(policy).eval().requires_grad_(False)
-    compute = COMPUTE_DTYPES[cfg.model.mixed_precision]
     if cfg.model.gradient_checkpointing:
         checkpoint_activations(policy)
-    if spec.fsdp_group is not None:
-        shard_model(ref, spec.fsdp_group, spec.device.type, compute)
-        shard_model(policy, spec.fsdp_group, spec.device.type, compute)
+    sharded = spec.fsdp_group is not None
+    for model in (ref, policy):
+        compute = apply_compute_dtype(model, cfg.model.mixed_precision, spec.device, sharded)
+        if sharded:
+            shard_model(model, spec.fsdp_group, spec.device.type, compute)
     actor = Actor(policy, cfg.algorithm, cfg.trainer.actor_optim, cfg.trainer.total_steps, dp_group=spec.fsdp_group,
                   chunk_tokens=cfg.model.logprob_chunk_tokens)
     trainer = cfg.trainer
