@@ -5,10 +5,9 @@
 #   bash tools/test.sh -m "not slow"  # extra arguments go to one pytest run over what they name
 #
 # With no arguments two pytest sessions run side by side, each with a base temp dir of its
-# own: the Slurm, reliability, resume and multi-process placement tests (tests/slurm,
-# tests/reliability, tests/test_resume.py, tests/test_dist_e2e.py,
-# tests/test_placement_equivalence.py: a local cluster, jobs that mostly wait on the
-# scheduler, runs killed and restarted, every placement's processes) in one, everything
+# own: the Slurm, reliability, resume and multi-process runs (tests/slurm, tests/reliability,
+# tests/test_resume.py, tests/test_dist_e2e.py: a local cluster, jobs that mostly wait on
+# the scheduler, runs killed and restarted, split runs through the CLI) in one, everything
 # else in the other. The split balances their wall times (each about an hour on 2 busy
 # cores, measured 1 Dec); the second session's log follows the main run's.
 set -euo pipefail
@@ -20,7 +19,7 @@ if [ "$#" -gt 0 ]; then
 fi
 scratch="${TMPDIR:-/tmp}/verl-hpc-tests"
 mkdir -p "$scratch"
-beside=(tests/slurm tests/reliability tests/test_resume.py tests/test_dist_e2e.py tests/test_placement_equivalence.py)
+beside=(tests/slurm tests/reliability tests/test_resume.py tests/test_dist_e2e.py)
 beside_log="$scratch/slurm-reliability-tests.log"
 .venv/bin/python -m pytest "${beside[@]}" --basetemp="$scratch/beside" >"$beside_log" 2>&1 &
 beside_pid=$!
