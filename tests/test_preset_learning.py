@@ -1,5 +1,6 @@
-"""Every preset learns (issue 17): in one process, and in split placement for the presets
-whose rollout side differs (DAPO's generation rounds, ReMax's greedy baselines) and GRPO.
+"""Every preset learns (issue 17): in one process, and through the CLI in split placement
+(the rollout in a process of its own, where DAPO's generation rounds and ReMax's greedy
+baselines run, and the KL in the reward crosses processes).
 
 The quickstart model on the arithmetic prompts, with a reward it can learn in a few steps
 (the share of 1s in the response: ~0.01 for the untrained model, whose groups of 8 still
@@ -26,9 +27,10 @@ ONLINE = sorted(name for name in PRESETS if name != "dpo")
 SPLIT = {"placement": "split", "actor": {"device_ids": [0], "strategy": "hf"}, "rollout": {"device_ids": [1]}}
 # Slower learners get more: ReMax's advantages (reward minus the greedy reward) are not scaled
 # by a group's spread, so a larger step (PPO at 0.03 collapses instead); PPO's critic starts
-# untrained, so more steps.
+# untrained, so more steps: its score passed 0.15 after 8 steps in one process and after 14
+# in split placement, whose rollout process samples with a generator of its own.
 LR = {"remax": 0.03}
-STEPS = {"ppo": 12}
+STEPS = {"ppo": 20}
 
 
 def ones(prompt: str, response: str, **_: object) -> float:
@@ -60,7 +62,7 @@ def test_every_preset_learns_in_one_process(tmp_path: Path, tiny_model_dir: Path
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["grpo", "dapo", "remax"])
+@pytest.mark.parametrize("name", ONLINE)
 def test_presets_learn_in_split_placement_through_the_cli(tmp_path: Path, tiny_model_dir: Path, name: str) -> None:
     data = _config(tiny_model_dir, name)
     data["resources"].update(SPLIT)
