@@ -110,3 +110,22 @@ def test_same_command_resumes_by_name_after_ctrl_c(tmp_path: Path, tiny_model_di
     assert f"at step {stopped_at}" in final.stderr and "resumed from" in final.stderr
     steps = [r["step"] for r in read_jsonl_metrics(run_dir / "tensorboard" / "metrics.jsonl")]
     assert steps == list(range(1, 61))
+
+
+def test_fields_added_by_an_upgrade_are_not_a_changed_config(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """A run written by a version without a field resumes under one that has it (at its default)."""
+    run_dir = tmp_path / "run"
+    base = [QUICKSTART, "--run-dir", str(run_dir), f"model.path={tiny_model_dir}", *SMALL]
+    assert run_cli("train", *base, "trainer.total_steps=2", "trainer.save_hf_model=false").returncode == 0
+    stored = yaml.safe_load((run_dir / "config.yaml").read_text())
+    for field in ("gradient_checkpointing", "logprob_chunk_tokens"):  # added after this run's version
+        del stored["model"][field]
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(stored, sort_keys=False))
+    proc = run_cli("train", *base, "trainer.total_steps=2", "trainer.save_hf_model=false", "trainer.total_steps=3")
+    assert proc.returncode == 2 and "trainer.total_steps changed" in error_line(proc)  # a real change still is one
+    assert "gradient_checkpointing" not in error_line(proc)
+    same = run_cli("train", *base, "trainer.total_steps=2", "trainer.save_hf_model=false", "checkpoint.resume=auto")
+    assert same.returncode == 0, same.stderr[-3000:]
+    assert "another config" not in same.stderr
+    (entry,) = yaml.safe_load((run_dir / "config_history.yaml").read_text())  # recorded all the same
+    assert entry["changed"]["model.gradient_checkpointing"] == {"old": None, "new": False}

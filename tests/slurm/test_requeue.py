@@ -126,6 +126,24 @@ def test_ppo_with_every_role_apart_is_a_four_component_hetjob_that_survives_a_re
         "env_trainer_rank0.json", "env_critic_rank1.json", "env_rollout_rank2.json", "env_reward_rank3.json"}
 
 
+def test_dpo_with_an_fsdp_actor_survives_a_requeue_and_resumes_exactly(slurm_cluster: SlurmCluster, model: Path,
+                                                                        tmp_path: Path) -> None:
+    """DPO runs on the RL runs' runtime: the same job script, checkpoints, requeue and resume."""
+    config = "configs/slurm_dpo.yaml"
+    expected = reference(tmp_path, model, 40, config=config)
+    assert "dpo/reward_accuracy" in expected[-1]
+    run_dir = tmp_path / "dpo"
+    job = submit(run_dir, model, "trainer.total_steps=40", config=config)
+    assert slurm_cluster.wait_for(lambda: steps_done(run_dir) >= 12, timeout=240)
+    slurm_cluster.run("scontrol", "requeue", str(job))  # SIGTERM to both tasks at once
+    records = finish(slurm_cluster, job)
+    assert {r["JobState"] for r in records} == {"COMPLETED"}, records
+    assert int(records[0]["Restarts"]) >= 1
+    assert stable(run_dir) == expected  # both FSDP shards came back; every step once, every number equal
+    assert sorted(f.name for f in (run_dir / "slurm" / "logs").glob("*.out")) == ["trainer_rank0.out",
+                                                                                  "trainer_rank1.out"]
+
+
 SLOW_UNDER_SLURM = '''
 import os, time
 from verl_hpc.data.tasks.arithmetic import score as exact

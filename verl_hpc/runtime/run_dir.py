@@ -32,7 +32,7 @@ from typing import Any
 
 import yaml
 
-from verl_hpc.config import ConfigError, RunConfig, dump_config
+from verl_hpc.config import ConfigError, RunConfig, dump_config, load_config
 from verl_hpc.config.checks import expand_path
 from verl_hpc.utils.logging import get_logger
 
@@ -110,7 +110,7 @@ def _check_continuation(path: Path, cfg: RunConfig, allow: bool) -> None:
     stored_file = path / "config.yaml"
     stored = stored_file.read_text() if stored_file.is_file() else None
     new = dump_config(cfg)
-    changed = config_changes(stored, new) if stored is not None else {}
+    changed = config_changes(as_read_now(stored), new) if stored is not None else {}
     decisive = sorted(f for f in changed if not f.startswith(OPERATIONAL))
     step = committed_step(path) or 0
     finished = (path / "hf_model").exists()
@@ -124,8 +124,21 @@ def _check_continuation(path: Path, cfg: RunConfig, allow: bool) -> None:
         raise ConfigError("run_dir", f"{path} already holds a run that finished at step {step}",
                           "raise trainer.total_steps with --allow-config-change to train it further, "
                           "or choose a new --run-dir or trainer.run_name")
-    if stored is not None and stored != new:
-        record_change(path, stored, changed, step, finished)
+    if stored is not None and stored != new:  # the record lists fields an upgrade added too
+        record_change(path, stored, config_changes(stored, new), step, finished)
+
+
+def as_read_now(stored: str) -> str:
+    """A stored config as this version reads it: fields added since it was written take their defaults.
+
+    Why: upgrading verl-hpc must not turn a run into "another config". Each new field
+    (`model.gradient_checkpointing`, ...) would otherwise be a change from nothing to its
+    default. A stored config this version cannot read is compared as written.
+    """
+    try:
+        return dump_config(load_config(data=yaml.safe_load(stored)))
+    except (ConfigError, ValueError, TypeError, OSError):
+        return stored
 
 
 def config_changes(old_text: str, new_text: str) -> dict[str, dict[str, Any]]:
