@@ -4,15 +4,21 @@ Why a resolver: `model.mixed_precision: auto` (the default) means bf16 compute w
 device does it natively (a CUDA GPU with bf16, Ampere and newer) and fp32 everywhere else,
 so one config is right on a laptop CPU and on an H100 alike; CPU numbers stay exactly the
 fp32 ones. Master weights, gradient reduction and optimizer state stay fp32 in every case:
-an FSDP2-sharded model gets a `MixedPrecisionPolicy` (see `roles.fsdp.shard_model`), and a
+an FSDP2-sharded model gets a `MixedPrecisionPolicy` (`roles.fsdp.shard_model`), and a
 model that is not sharded (a lone trainer) runs its forward under `torch.autocast`.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
+import torch.distributed as dist
+
+from verl_hpc.roles.fsdp import shard_model
+
+log = logging.getLogger(__name__)
 
 COMPUTE_DTYPES: dict[str, torch.dtype | None] = {"none": None, "bfloat16": torch.bfloat16,
                                                   "float16": torch.float16}
@@ -55,10 +61,20 @@ def autocast_forward(model: torch.nn.Module, dtype: torch.dtype | None) -> torch
     return model
 
 
-def apply_compute_dtype(model: torch.nn.Module, setting: str, device: torch.device,
-                        sharded: bool) -> torch.dtype | None:
-    """The dtype `model` will compute in; a model that FSDP2 will not shard gets autocast here."""
-    dtype = compute_dtype(setting, device)
-    if not sharded:
+def shard_or_autocast(model: torch.nn.Module, setting: str, device: torch.device,
+                      group: dist.ProcessGroup | None) -> torch.nn.Module:
+    """`model` computing in `model.mixed_precision`'s dtype on `device`; returns it.
+
+    Over a role's group: FSDP2-sharded with that dtype as its param dtype. On a lone rank
+    (no group): unsharded, its forward under autocast. Every model a role trains or runs
+    (actor, ref, critic; DPO's policy and ref) goes through here, so they agree.
+    """
+    dtype, name = compute_dtype(setting, device), type(model).__name__  # FSDP2 renames the class
+    if group is not None:
+        shard_model(model, group, device.type, dtype)
+    else:
         autocast_forward(model, dtype)
-    return dtype
+    how = "FSDP2" if group is not None else "autocast" if dtype is not None else "unsharded"
+    log.info("%s computes in %s (model.mixed_precision: %s, %s)", name, dtype or torch.float32,
+             setting, how)
+    return model

@@ -10,7 +10,6 @@ head, same tokenisation).
 from __future__ import annotations
 
 import copy
-import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,13 +26,12 @@ from verl_hpc.data.tasks import write_task_prompts
 from verl_hpc.roles.actor import Actor
 from verl_hpc.roles.allocator import ResourceAllocator
 from verl_hpc.roles.critic import Critic, ValueModel
-from verl_hpc.roles.fsdp import checkpoint_activations, shard_model
-from verl_hpc.roles.precision import apply_compute_dtype
+from verl_hpc.roles.fsdp import checkpoint_activations
+from verl_hpc.roles.precision import shard_or_autocast
 from verl_hpc.roles.reward import ModelReward, RuleReward
 from verl_hpc.roles.reward_shaping import OverlongShapedReward
 from verl_hpc.roles.rollout import RolloutEngine, build_engine
 
-log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -209,7 +207,7 @@ def build_roles(cfg: RunConfig, run_dir: Path, spec: BuildSpec, actor_model: Any
     if "actor" in spec.hosted:
         if cfg.model.gradient_checkpointing:  # after the ref's copy: a frozen ref never trains
             checkpoint_activations(policy)
-        _shard_or_autocast(policy, cfg, spec)
+        shard_or_autocast(policy, cfg.model.mixed_precision, spec.device, spec.fsdp_group)
         roles.actor = Actor(policy, cfg.algorithm, cfg.trainer.actor_optim, cfg.trainer.total_steps,
                             dp_group=spec.fsdp_group, chunk_tokens=cfg.model.logprob_chunk_tokens)
     if "critic" in spec.hosted:
@@ -234,18 +232,7 @@ def build_roles(cfg: RunConfig, run_dir: Path, spec: BuildSpec, actor_model: Any
 
 def _frozen(model: torch.nn.Module, cfg: RunConfig, spec: BuildSpec) -> torch.nn.Module:
     model.eval().requires_grad_(False)
-    return _shard_or_autocast(model, cfg, spec)
-
-
-def _shard_or_autocast(model: torch.nn.Module, cfg: RunConfig, spec: BuildSpec) -> torch.nn.Module:
-    """FSDP2 over the role's group with its compute dtype, or autocast to it on a lone rank."""
-    sharded = spec.fsdp_group is not None
-    compute = apply_compute_dtype(model, cfg.model.mixed_precision, spec.device, sharded)
-    log.info("%s computes in %s (model.mixed_precision: %s, %s)", type(model).__name__,
-             compute or torch.float32, cfg.model.mixed_precision, "FSDP2" if sharded else "autocast" if compute else "unsharded")
-    if sharded:
-        shard_model(model, spec.fsdp_group, spec.device.type, compute)
-    return model
+    return shard_or_autocast(model, cfg.model.mixed_precision, spec.device, spec.fsdp_group)
 
 
 def _build_critic(cfg: RunConfig, spec: BuildSpec, model_dir: str, dtype: torch.dtype) -> Critic:
@@ -253,7 +240,7 @@ def _build_critic(cfg: RunConfig, spec: BuildSpec, model_dir: str, dtype: torch.
     value_model = ValueModel.from_pretrained(critic_dir, dtype, seed=cfg.trainer.seed).to(spec.device)
     if cfg.model.gradient_checkpointing:
         checkpoint_activations(value_model)
-    _shard_or_autocast(value_model, cfg, spec)
+    shard_or_autocast(value_model, cfg.model.mixed_precision, spec.device, spec.fsdp_group)
     return Critic(value_model, cfg.algorithm, cfg.trainer.critic_optim, cfg.trainer.total_steps,
                   dp_group=spec.fsdp_group)
 

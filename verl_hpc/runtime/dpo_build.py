@@ -20,8 +20,8 @@ from verl_hpc.data.preferences import PreferenceDataset, reply_ids
 from verl_hpc.data.records import RowError
 from verl_hpc.roles.actor import Actor
 from verl_hpc.roles.allocator import ResourceAllocator
-from verl_hpc.roles.fsdp import checkpoint_activations, shard_model
-from verl_hpc.roles.precision import apply_compute_dtype
+from verl_hpc.roles.fsdp import checkpoint_activations
+from verl_hpc.roles.precision import shard_or_autocast
 from verl_hpc.runtime.build import (
     DTYPES,
     BuildSpec,
@@ -99,11 +99,8 @@ def build_dpo_roles(cfg: RunConfig, run_dir: Path, spec: BuildSpec, actor_model:
     ref = copy.deepcopy(policy).eval().requires_grad_(False)
     if cfg.model.gradient_checkpointing:
         checkpoint_activations(policy)
-    sharded = spec.fsdp_group is not None
     for model in (ref, policy):
-        compute = apply_compute_dtype(model, cfg.model.mixed_precision, spec.device, sharded)
-        if sharded:
-            shard_model(model, spec.fsdp_group, spec.device.type, compute)
+        shard_or_autocast(model, cfg.model.mixed_precision, spec.device, spec.fsdp_group)
     actor = Actor(policy, cfg.algorithm, cfg.trainer.actor_optim, cfg.trainer.total_steps, dp_group=spec.fsdp_group,
                   chunk_tokens=cfg.model.logprob_chunk_tokens)
     trainer = cfg.trainer
