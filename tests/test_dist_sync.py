@@ -39,18 +39,24 @@ def _inputs(rows: int = 8, resp: int = 4) -> dict[str, torch.Tensor]:
             "response_mask": mask, "advantages": torch.randn(rows, resp, generator=gen) * mask}
 
 
-def _reference_update(model_dir: str) -> dict[str, torch.Tensor]:
+LORA = {"rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj", "down_proj"]}
+
+
+def _reference_update(model_dir: str, variant: str) -> dict[str, torch.Tensor]:
     from transformers import AutoModelForCausalLM
 
     from verl_hpc.config import AlgorithmConfig
-    from verl_hpc.config.schema import OptimConfig
+    from verl_hpc.config.schema import LoraConfig, OptimConfig
     from verl_hpc.roles.actor import Actor, UpdatePlan
+    from verl_hpc.roles.lora import apply_lora
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
+    if variant == "lora":
+        apply_lora(model, LoraConfig(**LORA), seed=0)
     actor = Actor(model, AlgorithmConfig(), OptimConfig(lr=1e-2), total_steps=1)
     actor.update(_inputs(), UpdatePlan(8, 8, 1))
-    return {n: p.grad.clone() for n, p in model.named_parameters()}
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 DYNAMIC_BUDGET = 14  # tokens: rows of 4 prompt + 1-4 response tokens; rank 0 makes 2 groups, rank 1 3
@@ -60,9 +66,10 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out_dir: str, vari
     from transformers import AutoModelForCausalLM
 
     from verl_hpc.config import AlgorithmConfig
-    from verl_hpc.config.schema import OptimConfig
+    from verl_hpc.config.schema import LoraConfig, OptimConfig
     from verl_hpc.roles.actor import Actor, UpdatePlan
     from verl_hpc.roles.fsdp import checkpoint_activations, full_tensor, shard_model
+    from verl_hpc.roles.lora import apply_lora, merged_params
     from verl_hpc.roles.weight_sync import broadcast_weights, gather_only, stream_into
 
     torch.set_num_threads(1)
@@ -73,6 +80,8 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out_dir: str, vari
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     engine = copy.deepcopy(model)
     if ctx.is_role("actor"):
+        if variant == "lora":  # adapters sharded with their layers, frozen base weights beside them
+            apply_lora(model, LoraConfig(**LORA), seed=0)
         if variant == "gradient_checkpointing":  # layers recomputed inside their FSDP units
             checkpoint_activations(model)
         shard_model(model, ctx.process_group, "cpu")
@@ -85,8 +94,8 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out_dir: str, vari
         shard = {k: v[start:start + 4] for k, v in _inputs().items()}
         # use_dynamic_bsz: micro-batches by tokens, trimmed, as many on both ranks (see the test)
         actor.update(shard, UpdatePlan(4, 2, 1, DYNAMIC_BUDGET if variant == "dynamic_bsz" else None))
-        grads = {n: full_tensor(p.grad) for n, p in model.named_parameters()}
-        params = {n: full_tensor(p.detach()) for n, p in model.named_parameters()}
+        grads = {n: full_tensor(p.grad) for n, p in model.named_parameters() if p.grad is not None}
+        params = dict(merged_params(model))  # what the engines must hold (LoRA: adapters merged in)
         if rank == 0:
             torch.save({"grads": grads, "params": params}, os.path.join(out_dir, "fsdp.pt"))
         stream_into(model, engine)  # colocated path: every trainer rank refreshes its own engine
@@ -105,7 +114,7 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out_dir: str, vari
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", ["plain", "gradient_checkpointing", "dynamic_bsz"])
+@pytest.mark.parametrize("variant", ["plain", "gradient_checkpointing", "dynamic_bsz", "lora"])
 def test_fsdp_update_and_weight_syncs_are_exact(tmp_path: Path, tiny_model_dir: Path, variant: str) -> None:
     """Against one process with fixed micro-batches and no recomputation, whichever way FSDP runs."""
     if variant == "dynamic_bsz":  # the ranks' own token groups differ in number: agreement is exercised
@@ -117,8 +126,11 @@ def test_fsdp_update_and_weight_syncs_are_exact(tmp_path: Path, tiny_model_dir: 
     port = _free_port()
     mp.start_processes(_worker, args=(3, port, str(tiny_model_dir), str(tmp_path), variant), nprocs=3,
                        start_method="spawn", join=True)
-    expected = _reference_update(str(tiny_model_dir))
+    expected = _reference_update(str(tiny_model_dir), variant)
     fsdp = torch.load(tmp_path / "fsdp.pt", weights_only=True)
+    assert sorted(fsdp["grads"]) == sorted(expected)  # LoRA: the adapters, and only they, have gradients
+    if variant == "lora":
+        assert all(".lora_" in key for key in expected) and any(g.abs().sum() > 0 for g in expected.values())
     for key, grad in expected.items():
         # 2-process FSDP gradient (shards of 4 rows, micro-batches of 2) equals one process's
         # gradient over all 8 rows, within float tolerance (reduction order differs).

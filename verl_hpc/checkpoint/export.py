@@ -21,6 +21,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from verl_hpc.checkpoint.export_lora import write_lora_export
 from verl_hpc.checkpoint.layout import (
     CheckpointError,
     SafeFileSystemReader,
@@ -105,29 +106,42 @@ def write_safetensors(checkpoint: Path, tensors: dict[str, tuple[str, Any]], out
 
 
 def export_hf(checkpoint: str | os.PathLike, out_dir: str | os.PathLike,
-              model_dir: str | os.PathLike | None = None, prefix: str = "actor.model.") -> Path:
+              model_dir: str | os.PathLike | None = None, prefix: str = "actor.model.",
+              adapter: bool = False) -> Path:
     """Write `out_dir` = config/tokenizer files of `model_dir` + `model.safetensors` of the policy.
 
     `model_dir` (the original HF model) defaults to the `model_dir` recorded in the
     checkpoint's manifest meta. An existing `out_dir` is replaced only if it holds a
-    model (config.json) or nothing, so a mistyped path cannot wipe unrelated files.
+    model (config.json, adapter_config.json) or nothing, so a mistyped path cannot wipe
+    unrelated files. A LoRA run's checkpoint (`model.lora` in its meta) is merged into the
+    base model, or with `adapter` written as the adapter alone (export_lora.py).
     """
     checkpoint, out_dir = Path(checkpoint), Path(out_dir)
-    manifest = read_manifest(checkpoint)
-    model_dir = Path(model_dir or manifest.get("meta", {}).get("model_dir") or "")
+    meta = read_manifest(checkpoint).get("meta", {})
+    model_dir = Path(model_dir or meta.get("model_dir") or "")
+    lora = meta.get("lora")
+    if adapter and lora is None:
+        raise CheckpointError(f"{checkpoint} is not from a LoRA run (no model.lora in its meta): it has no "
+                              "adapter to export; drop --adapter to export the model")
     if not (model_dir / "config.json").is_file():
         raise CheckpointError(f"model directory {str(model_dir) or '<none>'} has no config.json; pass "
                               "--model-dir (the checkpoint's meta records no usable model_dir)")
-    if out_dir.exists() and any(out_dir.iterdir()) and not (out_dir / "config.json").is_file():
+    if out_dir.exists() and any(out_dir.iterdir()) and not any(
+            (out_dir / name).is_file() for name in ("config.json", "adapter_config.json")):
         raise CheckpointError(f"{out_dir} exists and is not a model directory; choose a new or empty one")
-    tensors = policy_tensors(checkpoint, prefix, model_dir)
+    tensors = policy_tensors(checkpoint, prefix, model_dir) if lora is None else {}
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
         for src in sorted(model_dir.iterdir()):
+            if adapter:
+                break
             if src.is_file() and not src.name.endswith(_WEIGHT_SUFFIXES) and src.name not in _NOT_COPIED:
                 shutil.copy2(src, staging / src.name)
-        write_safetensors(checkpoint, tensors, staging / "model.safetensors")
+        if lora is not None:
+            write_lora_export(checkpoint, staging, model_dir, prefix, lora, adapter)
+        else:
+            write_safetensors(checkpoint, tensors, staging / "model.safetensors")
         os.chmod(staging, 0o755)
         replace_dir(staging, out_dir)
     finally:

@@ -136,6 +136,8 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
     p.add_argument("out_dir")
     p.add_argument("--model-dir", help="the original model (default: the one recorded in the checkpoint)")
     p.add_argument("--prefix", default="actor.model.", help="state key prefix of the policy's weights")
+    p.add_argument("--adapter", action="store_true",
+                   help="a LoRA run: write the adapter alone (peft's format) instead of the merged model")
     p.set_defaults(func=_cmd_export)
 
 
@@ -157,7 +159,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
     try:
         ckpt = resolve_checkpoint(args.checkpoint)
-        out = export_hf(ckpt, args.out_dir, args.model_dir, args.prefix)
+        out = export_hf(ckpt, args.out_dir, args.model_dir, args.prefix, adapter=args.adapter)
     except CheckpointError as err:
         raise ConfigError("checkpoint", str(err)) from None
     print(f"exported {ckpt} to {out}")

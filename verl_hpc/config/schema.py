@@ -30,6 +30,16 @@ class TaskConfig(StrictModel):
     seed: int = 0
 
 
+class LoraConfig(StrictModel):
+    """Low-rank adapters on the actor (peft's LoRA); the base weights stay frozen."""
+
+    rank: int = Field(ge=1, description="the adapters' rank r (verl's `lora_rank`)")
+    alpha: float = Field(16.0, gt=0, description="the adapters' scale is alpha / rank (verl's `lora_alpha`)")
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear", description="module names that get adapters (e.g. [q_proj, v_proj]); all-linear: every "
+        "linear layer but the output head")
+
+
 class ModelConfig(StrictModel):
     """A local Hugging Face directory; with `init_preset` it is built there on first use."""
 
@@ -50,6 +60,10 @@ class ModelConfig(StrictModel):
     gradient_checkpointing: bool = Field(
         False, description="recompute each decoder layer's activations in backward (actor and critic): "
         "activation memory of one layer instead of all, for about one more forward per update")
+    lora: LoraConfig | None = Field(
+        None, description="train low-rank adapters on the actor instead of every weight (needs peft): only "
+        "the adapters get gradients, optimizer state and checkpoint space; rollout engines get the merged "
+        "weights every sync; `verl-hpc export` writes the merged model, `--adapter` the adapter alone")
 
 
 class DataConfig(StrictModel):

@@ -1,7 +1,8 @@
 """What the actor and the critic share: AdamW with a per-step LR schedule, the clipped step, the state.
 
 Why one place: a trained role's checkpointed state is exactly model + optimizer + LR
-schedule, and its step must treat a non-finite gradient the same way for both (skip
+schedule (a LoRA actor's frozen base weights excluded: they come from the model directory),
+and its step must treat a non-finite gradient the same way for both (skip
 the step rather than poison the weights); two copies had already drifted apart (the
 critic stepped on non-finite gradients).
 """
@@ -14,6 +15,7 @@ import torch
 
 from verl_hpc.config.schema import OptimConfig
 from verl_hpc.roles.fsdp import to_float
+from verl_hpc.roles.lora import load_trainable_state, trainable_state
 
 
 def build_optimizer(params, cfg: OptimConfig, total_steps: int):
@@ -38,7 +40,9 @@ class OptimizedModel:
     def __init__(self, model: torch.nn.Module, optim: OptimConfig, total_steps: int) -> None:
         self.model = model
         self.optim_cfg = optim
-        self.optimizer, self.scheduler = build_optimizer(model.parameters(), optim, total_steps)
+        # Only what trains: a LoRA actor's frozen base gets no optimizer state.
+        trainable = [param for param in model.parameters() if param.requires_grad]
+        self.optimizer, self.scheduler = build_optimizer(trainable, optim, total_steps)
 
     def clip_and_step(self) -> float:
         """Clip the gradient norm and step; a non-finite norm skips the step. Returns the norm."""
@@ -51,10 +55,10 @@ class OptimizedModel:
         return grad_norm
 
     def state_dict(self) -> dict:
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+        return {"model": trainable_state(self.model), "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
+        load_trainable_state(self.model, state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])

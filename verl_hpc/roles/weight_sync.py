@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from verl_hpc.roles.flat_weights import WIRE_DTYPE, flat_view, flatten_params, same_memory
-from verl_hpc.roles.fsdp import full_tensor
+from verl_hpc.roles.lora import merged_params, merged_shapes
 
 # At most this many bytes of packed or gathered tensors are on the wire at once (two
 # buckets: the sender prepares one while the other crosses), so an FSDP sender never
@@ -57,9 +57,12 @@ class WeightSyncError(RuntimeError):
 
 
 def iter_full_params(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, full tensor) per parameter; on FSDP2 every rank of the mesh must iterate."""
-    for name, param in model.named_parameters():
-        yield name, full_tensor(param.detach())
+    """(name, full tensor) per parameter; on FSDP2 every rank of the mesh must iterate.
+
+    A LoRA actor yields the plain architecture's weights, adapters merged in
+    (`lora.merged_params`): that is what the engines hold.
+    """
+    yield from merged_params(model)
 
 
 def stream_into(source: nn.Module, target: nn.Module) -> int:
@@ -205,9 +208,10 @@ def broadcast_weights(model: nn.Module, group: dist.ProcessGroup, src: int, vers
         got, tensors = receive_weights([(n, p.shape) for n, p in params], group, src, bucket_bytes, device,
                                        into=flatten_params(model))
         return got, _copy_into(params, tensors)
+    shapes = merged_shapes(model)  # a LoRA sender sends the merged weights of the plain architecture
     window = _Window(group, src, limit=2 * bucket_bytes)
     # Not waited for: the first bucket is prepared while the header crosses (one group: in order).
-    window.post(torch.tensor([version, len(params), sum(p.numel() for _, p in params)], dtype=torch.int64,
+    window.post(torch.tensor([version, len(shapes), sum(s.numel() for _, s in shapes)], dtype=torch.int64,
                              device=device))
     if version == STOP_VERSION or window.peer is not None:
         # A pair's data follows the header only once the header has left: the receiver
@@ -216,7 +220,7 @@ def broadcast_weights(model: nn.Module, group: dist.ProcessGroup, src: int, vers
         window.drain()
     if version == STOP_VERSION:
         return STOP_VERSION, 0
-    sizes = [(n, p.numel() * WIRE_DTYPE.itemsize) for n, p in params]
+    sizes = [(n, s.numel() * WIRE_DTYPE.itemsize) for n, s in shapes]
     sent, packed = 0, 0
     readers: list[Any] = [None, None]  # the broadcast that last read each packing buffer
     gathered = iter_full_params(model)

@@ -27,6 +27,7 @@ from verl_hpc.roles.actor import Actor
 from verl_hpc.roles.allocator import ResourceAllocator
 from verl_hpc.roles.critic import Critic, ValueModel
 from verl_hpc.roles.fsdp import checkpoint_activations
+from verl_hpc.roles.lora import apply_lora
 from verl_hpc.roles.precision import shard_or_autocast
 from verl_hpc.roles.reward import ModelReward, RuleReward
 from verl_hpc.roles.reward_shaping import OverlongShapedReward
@@ -205,6 +206,8 @@ def build_roles(cfg: RunConfig, run_dir: Path, spec: BuildSpec, actor_model: Any
     if "ref" in spec.hosted:
         roles.ref_model = _frozen(copy.deepcopy(policy), cfg, spec)
     if "actor" in spec.hosted:
+        if cfg.model.lora is not None:  # after the ref's copy: the ref is the base model
+            apply_lora(policy, cfg.model.lora, cfg.trainer.seed)
         if cfg.model.gradient_checkpointing:  # after the ref's copy: a frozen ref never trains
             checkpoint_activations(policy)
         shard_or_autocast(policy, cfg.model.mixed_precision, spec.device, spec.fsdp_group)

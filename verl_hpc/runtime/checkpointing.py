@@ -22,6 +22,7 @@ import torch.distributed as dist
 from verl_hpc.checkpoint.manager import CheckpointManager, latest_checkpoint
 from verl_hpc.config import ConfigError, RunConfig
 from verl_hpc.config.checks import expand_path
+from verl_hpc.roles.lora import trainable_state
 from verl_hpc.runtime import run_state
 from verl_hpc.utils.logging import get_logger
 
@@ -80,23 +81,31 @@ class ModelState:
     """A trained role's tensors (model + optimizer) as a state object for DCP.
 
     Sharded DTensors under FSDP2: each rank writes and reads only its part, and DCP
-    reshards when the run resumes on another number of ranks.
+    reshards when the run resumes on another number of ranks. Frozen parameters (a LoRA
+    actor's base) are left out: the model directory holds them, unchanged.
     """
 
     def __init__(self, owner) -> None:  # owner: Actor or Critic (an OptimizedModel)
         self.owner = owner
 
+    def _options(self):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        frozen = any(not p.requires_grad for p in self.owner.model.parameters())
+        return StateDictOptions(ignore_frozen_params=True, strict=not frozen)
+
     def state_dict(self) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        model_sd, optim_sd = get_state_dict(self.owner.model, self.owner.optimizer)
-        return {"model": model_sd, "optim": optim_sd}
+        model_sd, optim_sd = get_state_dict(self.owner.model, self.owner.optimizer, options=self._options())
+        # ignore_frozen_params keeps a tied frozen weight under its second name (lm_head.weight)
+        return {"model": trainable_state(self.owner.model, model_sd), "optim": optim_sd}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import set_state_dict
 
         set_state_dict(self.owner.model, self.owner.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
+                       optim_state_dict=state["optim"], options=self._options())
 
 
 class RunCheckpointer:
@@ -137,7 +146,9 @@ class RunCheckpointer:
                 run.update(obj.state_dict())
             else:
                 run[name] = obj.state_dict() if obj is not None else None
+        lora = self.cfg.model.lora
         meta = {"world_sizes": self.world_sizes, "model_dir": str(expand_path(self.cfg.model.path)),
+                "lora": lora.model_dump() if lora is not None else None,  # what `export` merges with
                 "config_hash": run_state.config_hash((self.run_dir / "config.yaml").read_text()),
                 "policy_version": run.get("policy_version"), "format_version": FORMAT_VERSION}
         start = time.perf_counter()

@@ -21,6 +21,7 @@ from verl_hpc.data.records import RowError
 from verl_hpc.roles.actor import Actor
 from verl_hpc.roles.allocator import ResourceAllocator
 from verl_hpc.roles.fsdp import checkpoint_activations
+from verl_hpc.roles.lora import apply_lora
 from verl_hpc.roles.precision import shard_or_autocast
 from verl_hpc.runtime.build import (
     DTYPES,
@@ -97,6 +98,8 @@ def build_dpo_roles(cfg: RunConfig, run_dir: Path, spec: BuildSpec, actor_model:
         load_causal_lm(str(actor_model) if actor_model is not None else model_dir, DTYPES[cfg.model.dtype])
     policy.to(spec.device)
     ref = copy.deepcopy(policy).eval().requires_grad_(False)
+    if cfg.model.lora is not None:
+        apply_lora(policy, cfg.model.lora, cfg.trainer.seed)
     if cfg.model.gradient_checkpointing:
         checkpoint_activations(policy)
     for model in (ref, policy):

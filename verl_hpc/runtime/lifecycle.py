@@ -200,5 +200,22 @@ class RunLifecycle:
         if model is not None:
             from verl_hpc.checkpoint.hf_export import save_hf_directory
 
+            model = _plain(model, self.cfg)
+
             save_hf_directory(model, p.roles.tokenizer, self.run_dir / "hf_model")
             log.info("saved %s", self.run_dir / "hf_model")
+
+
+def _plain(model: Any, cfg: RunConfig) -> Any:
+    """`model` as its plain architecture: a LoRA actor's adapters merged into a fresh copy of the base."""
+    from verl_hpc.roles.lora import has_adapters
+
+    if not has_adapters(model):
+        return model
+    from verl_hpc.config.checks import expand_path
+    from verl_hpc.roles.weight_sync import stream_into
+    from verl_hpc.runtime.build import DTYPES, load_causal_lm
+
+    merged = load_causal_lm(str(expand_path(cfg.model.path)), DTYPES[cfg.model.dtype])
+    stream_into(model, merged)
+    return merged
