@@ -60,6 +60,10 @@ class ModelConfig(StrictModel):
     gradient_checkpointing: bool = Field(
         False, description="recompute each decoder layer's activations in backward (actor and critic): "
         "activation memory of one layer instead of all, for about one more forward per update")
+    load: Literal["rank0", "every_rank"] = Field(
+        "rank0", description="how a sharded role's ranks get the weights: rank0 reads the files on the group's "
+        "first rank only and broadcasts each tensor, the others building on the meta device (one full copy per "
+        "group in host memory, not one per rank); every_rank: each rank reads the whole model, then shards it")
     lora: LoraConfig | None = Field(
         None, description="train low-rank adapters on the actor instead of every weight (needs peft): only "
         "the adapters get gradients, optimizer state and checkpoint space; rollout engines get the merged "

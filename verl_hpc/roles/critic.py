@@ -33,9 +33,17 @@ class ValueModel(nn.Module):
         nn.init.zeros_(self.value_head.bias)
 
     @classmethod
-    def from_pretrained(cls, path: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> ValueModel:
+    def from_pretrained(cls, path: str, dtype: torch.dtype = torch.float32, seed: int = 0,
+                        skeleton: bool = False) -> ValueModel:
+        """`skeleton`: parameters on meta, to be filled from another rank (roles/loading.py)."""
         from transformers import AutoModel
 
+        if skeleton:
+            from verl_hpc.roles.loading import backbone_skeleton, parameters_on_meta
+
+            backbone = backbone_skeleton(path, dtype)
+            with parameters_on_meta():
+                return cls(backbone, backbone.config.hidden_size, seed)
         backbone = AutoModel.from_pretrained(path, dtype=dtype)
         return cls(backbone, backbone.config.hidden_size, seed)
 

@@ -27,6 +27,7 @@ from verl_hpc.roles.actor import Actor
 from verl_hpc.roles.allocator import ResourceAllocator
 from verl_hpc.roles.critic import Critic, ValueModel
 from verl_hpc.roles.fsdp import checkpoint_activations
+from verl_hpc.roles.loading import GroupLoad, causal_lm_skeleton
 from verl_hpc.roles.lora import apply_lora
 from verl_hpc.roles.precision import shard_or_autocast
 from verl_hpc.roles.reward import ModelReward, RuleReward
@@ -198,23 +199,26 @@ def build_roles(cfg: RunConfig, run_dir: Path, spec: BuildSpec, actor_model: Any
     roles = Roles(tokenizer=tokenizer, device=spec.device, dataset=dataset, hosted=spec.hosted,
                   prompt_ids=prompt_ids)
     dtype = DTYPES[cfg.model.dtype]
+    load = GroupLoad(spec.fsdp_group, spec.device, cfg.model.load if actor_model is None else "every_rank")
     policy = None
     if "actor" in spec.hosted or "ref" in spec.hosted:
         policy = actor_model if isinstance(actor_model, torch.nn.Module) else \
+            causal_lm_skeleton(model_dir, dtype) if load.skeleton else \
             load_causal_lm(str(actor_model) if actor_model is not None else model_dir, dtype)
-        policy.to(spec.device)
+        if not load.skeleton:  # a skeleton gets its storage, on the device, once sharded
+            policy.to(spec.device)
     if "ref" in spec.hosted:
-        roles.ref_model = _frozen(copy.deepcopy(policy), cfg, spec)
+        roles.ref_model = _frozen(copy.deepcopy(policy), cfg, spec, load)
     if "actor" in spec.hosted:
         if cfg.model.lora is not None:  # after the ref's copy: the ref is the base model
             apply_lora(policy, cfg.model.lora, cfg.trainer.seed)
         if cfg.model.gradient_checkpointing:  # after the ref's copy: a frozen ref never trains
             checkpoint_activations(policy)
-        shard_or_autocast(policy, cfg.model.mixed_precision, spec.device, spec.fsdp_group)
+        load.shard(policy, lambda m: shard_or_autocast(m, cfg.model.mixed_precision, spec.device, spec.fsdp_group))
         roles.actor = Actor(policy, cfg.algorithm, cfg.trainer.actor_optim, cfg.trainer.total_steps,
                             dp_group=spec.fsdp_group, chunk_tokens=cfg.model.logprob_chunk_tokens)
     if "critic" in spec.hosted:
-        roles.critic = _build_critic(cfg, spec, model_dir, dtype)
+        roles.critic = _build_critic(cfg, spec, model_dir, dtype, load)
     if "rollout" in spec.hosted:
         roles.engine = _build_engine(cfg, spec, roles, model_dir, policy)
         if (spec.rollout_builds_reward and cfg.reward.function_spec is not None) or callable(reward_model):
@@ -233,17 +237,19 @@ def build_roles(cfg: RunConfig, run_dir: Path, spec: BuildSpec, actor_model: Any
     return roles
 
 
-def _frozen(model: torch.nn.Module, cfg: RunConfig, spec: BuildSpec) -> torch.nn.Module:
+def _frozen(model: torch.nn.Module, cfg: RunConfig, spec: BuildSpec, load: GroupLoad) -> torch.nn.Module:
     model.eval().requires_grad_(False)
-    return shard_or_autocast(model, cfg.model.mixed_precision, spec.device, spec.fsdp_group)
+    return load.shard(model, lambda m: shard_or_autocast(m, cfg.model.mixed_precision, spec.device, spec.fsdp_group))
 
 
-def _build_critic(cfg: RunConfig, spec: BuildSpec, model_dir: str, dtype: torch.dtype) -> Critic:
+def _build_critic(cfg: RunConfig, spec: BuildSpec, model_dir: str, dtype: torch.dtype, load: GroupLoad) -> Critic:
     critic_dir = str(expand_path(cfg.model.critic_path)) if cfg.model.critic_path else model_dir
-    value_model = ValueModel.from_pretrained(critic_dir, dtype, seed=cfg.trainer.seed).to(spec.device)
+    value_model = ValueModel.from_pretrained(critic_dir, dtype, seed=cfg.trainer.seed, skeleton=load.skeleton)
+    if not load.skeleton:
+        value_model.to(spec.device)
     if cfg.model.gradient_checkpointing:
         checkpoint_activations(value_model)
-    shard_or_autocast(value_model, cfg.model.mixed_precision, spec.device, spec.fsdp_group)
+    load.shard(value_model, lambda m: shard_or_autocast(m, cfg.model.mixed_precision, spec.device, spec.fsdp_group))
     return Critic(value_model, cfg.algorithm, cfg.trainer.critic_optim, cfg.trainer.total_steps,
                   dp_group=spec.fsdp_group)
 

@@ -21,6 +21,7 @@ from verl_hpc.data.records import RowError
 from verl_hpc.roles.actor import Actor
 from verl_hpc.roles.allocator import ResourceAllocator
 from verl_hpc.roles.fsdp import checkpoint_activations
+from verl_hpc.roles.loading import GroupLoad, causal_lm_skeleton
 from verl_hpc.roles.lora import apply_lora
 from verl_hpc.roles.precision import shard_or_autocast
 from verl_hpc.runtime.build import (
@@ -94,16 +95,20 @@ def build_dpo_roles(cfg: RunConfig, run_dir: Path, spec: BuildSpec, actor_model:
     model_dir = str(ensure_model(cfg))
     tokenizer = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
     pairs = load_pairs(cfg, run_dir, tokenizer)
+    dtype = DTYPES[cfg.model.dtype]
+    load = GroupLoad(spec.fsdp_group, spec.device, cfg.model.load if actor_model is None else "every_rank")
     policy = actor_model if isinstance(actor_model, torch.nn.Module) else \
-        load_causal_lm(str(actor_model) if actor_model is not None else model_dir, DTYPES[cfg.model.dtype])
-    policy.to(spec.device)
+        causal_lm_skeleton(model_dir, dtype) if load.skeleton else \
+        load_causal_lm(str(actor_model) if actor_model is not None else model_dir, dtype)
+    if not load.skeleton:
+        policy.to(spec.device)
     ref = copy.deepcopy(policy).eval().requires_grad_(False)
     if cfg.model.lora is not None:
         apply_lora(policy, cfg.model.lora, cfg.trainer.seed)
     if cfg.model.gradient_checkpointing:
         checkpoint_activations(policy)
     for model in (ref, policy):
-        shard_or_autocast(model, cfg.model.mixed_precision, spec.device, spec.fsdp_group)
+        load.shard(model, lambda m: shard_or_autocast(m, cfg.model.mixed_precision, spec.device, spec.fsdp_group))
     actor = Actor(policy, cfg.algorithm, cfg.trainer.actor_optim, cfg.trainer.total_steps, dp_group=spec.fsdp_group,
                   chunk_tokens=cfg.model.logprob_chunk_tokens)
     trainer = cfg.trainer
