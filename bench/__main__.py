@@ -24,7 +24,8 @@ BENCHMARKS = {"checkpoint": "bench.checkpoint", "transport": "bench.transport",
               "step_overlap": "bench.step_overlap", "rollout": "bench.rollout",
               "scaling": "bench.scaling", "placement": "bench.placement",
               "placement_gpu": "bench.placement_gpu", "preemption": "bench.preemption",
-              "logprob_memory": "bench.logprob_memory", "presets": "bench.presets"}
+              "logprob_memory": "bench.logprob_memory", "presets": "bench.presets",
+              "lora": "bench.lora"}
 # Not in `all`: it needs the local Slurm cluster and minutes of its time (`preemption --slurm`).
 OPT_IN = {"preemption_slurm": "bench.preemption_slurm",
           "versions": "bench.versions"}  # also not in `all`: a git worktree of another revision, minutes

@@ -63,7 +63,8 @@ def test_bench_tables_name_targets(quick_run: tuple[subprocess.CompletedProcess,
     proc, _ = quick_run
     assert proc.returncode == 0, proc.stderr[-3000:]
     for header in ("checkpoint benchmark:", "transport benchmark:", "weight sync benchmark:", "RL step benchmark:",
-                   "scaling benchmark:", "placement benchmark:", "preemption benchmark:", "Preset step cost:"):
+                   "scaling benchmark:", "placement benchmark:", "preemption benchmark:", "Preset step cost:",
+                   "LoRA benchmark:"):
         assert header in proc.stdout
     assert proc.stdout.count(" met") + proc.stdout.count(" MISSED") >= len(BENCHMARKS)
 

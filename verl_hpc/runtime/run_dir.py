@@ -43,7 +43,8 @@ HISTORY_DIR = "config_history"
 ALLOW_ENV = "VERL_HPC_ALLOW_CONFIG_CHANGE"  # set by `verl-hpc train --allow-config-change`
 # Dotted prefixes whose change leaves the run's numbers as they were: no flag needed.
 OPERATIONAL = ("resources", "slurm", "logging", "checkpoint", "run_dir", "reward.on_error",
-               "trainer.run_name", "trainer.torch_threads", "trainer.oom_retry", "trainer.min_micro_batch_size")
+               "trainer.run_name", "trainer.torch_threads", "trainer.oom_retry", "trainer.min_micro_batch_size",
+               "model.load")  # how the weights reach the ranks, not which weights
 
 
 def default_run_dir(name: str = "run") -> Path:
