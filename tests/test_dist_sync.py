@@ -34,9 +34,16 @@ def _inputs(rows: int = 8, resp: int = 4) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(3)
     ids = torch.randint(3, 60, (rows, 4 + resp), generator=gen)
     mask = (torch.arange(resp) < torch.randint(1, resp + 1, (rows, 1), generator=gen)).float()
+    if resp > 4:  # long responses (remove_padding): every other row answers in at most 2 tokens
+        mask[1::2, 2:] = 0
     attention = torch.cat([torch.ones(rows, 4, dtype=torch.long), mask.long()], dim=1)
     return {"input_ids": ids, "attention_mask": attention, "position_ids": (attention.cumsum(1) - 1).clamp(min=0),
             "response_mask": mask, "advantages": torch.randn(rows, resp, generator=gen) * mask}
+
+
+def _resp(variant: str) -> int:
+    """Responses of 1-12 tokens under remove_padding, so that short rows share a packed row."""
+    return 12 if variant == "remove_padding" else 4
 
 
 LORA = {"rank": 4, "alpha": 8.0, "target_modules": ["q_proj", "v_proj", "down_proj"]}
@@ -55,7 +62,7 @@ def _reference_update(model_dir: str, variant: str) -> dict[str, torch.Tensor]:
     if variant == "lora":
         apply_lora(model, LoraConfig(**LORA), seed=0)
     actor = Actor(model, AlgorithmConfig(), OptimConfig(lr=1e-2), total_steps=1)
-    actor.update(_inputs(), UpdatePlan(8, 8, 1))
+    actor.update(_inputs(resp=_resp(variant)), UpdatePlan(8, 8, 1))  # the padded path, one process
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
@@ -89,11 +96,13 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out_dir: str, vari
         # chunked head under FSDP2's root hooks, against one process computing its logits whole.
         chunk = 3 if variant == "gradient_checkpointing" else 0
         actor = Actor(model, AlgorithmConfig(), OptimConfig(lr=1e-2), total_steps=1, dp_group=ctx.process_group,
-                      chunk_tokens=chunk)
+                      chunk_tokens=chunk, remove_padding=variant == "remove_padding")
         start = ctx.rank_in_group * 4
-        shard = {k: v[start:start + 4] for k, v in _inputs().items()}
+        shard = {k: v[start:start + 4] for k, v in _inputs(resp=_resp(variant)).items()}
         # use_dynamic_bsz: micro-batches by tokens, trimmed, as many on both ranks (see the test)
-        actor.update(shard, UpdatePlan(4, 2, 1, DYNAMIC_BUDGET if variant == "dynamic_bsz" else None))
+        # remove_padding: the rank's 4 rows in one micro-batch, so that short ones can share a row
+        micro = 4 if variant == "remove_padding" else 2
+        actor.update(shard, UpdatePlan(4, micro, 1, DYNAMIC_BUDGET if variant == "dynamic_bsz" else None))
         grads = {n: full_tensor(p.grad) for n, p in model.named_parameters() if p.grad is not None}
         params = dict(merged_params(model))  # what the engines must hold (LoRA: adapters merged in)
         if rank == 0:
@@ -114,7 +123,7 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out_dir: str, vari
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", ["plain", "gradient_checkpointing", "dynamic_bsz", "lora"])
+@pytest.mark.parametrize("variant", ["plain", "gradient_checkpointing", "dynamic_bsz", "lora", "remove_padding"])
 def test_fsdp_update_and_weight_syncs_are_exact(tmp_path: Path, tiny_model_dir: Path, variant: str) -> None:
     """Against one process with fixed micro-batches and no recomputation, whichever way FSDP runs."""
     if variant == "dynamic_bsz":  # the ranks' own token groups differ in number: agreement is exercised
@@ -123,6 +132,11 @@ def test_fsdp_update_and_weight_syncs_are_exact(tmp_path: Path, tiny_model_dir: 
         counts = [len(token_budget_groups(*row_lengths({k: v[s:s + 4] for k, v in _inputs().items()}),
                                           DYNAMIC_BUDGET)) for s in (0, 4)]
         assert counts[0] != counts[1], counts
+    if variant == "remove_padding":  # the packing really packs: a rank's 4 rows fit in fewer
+        from verl_hpc.roles.packing import pack
+
+        packed = [pack({k: v[s:s + 4] for k, v in _inputs(resp=12).items()}) for s in (0, 4)]
+        assert all(p is not None for p in packed) and any(p.rows < 4 for p in packed), packed
     port = _free_port()
     mp.start_processes(_worker, args=(3, port, str(tiny_model_dir), str(tmp_path), variant), nprocs=3,
                        start_method="spawn", join=True)

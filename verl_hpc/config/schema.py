@@ -60,6 +60,10 @@ class ModelConfig(StrictModel):
     gradient_checkpointing: bool = Field(
         False, description="recompute each decoder layer's activations in backward (actor and critic): "
         "activation memory of one layer instead of all, for about one more forward per update")
+    remove_padding: bool = Field(
+        False, description="pack each micro-batch's sequences into fewer rows for every trainer-side forward "
+        "(actor, old and reference log-probs, critic; verl's `use_remove_padding`): no layer computes pad tokens, "
+        "attention stays within each sequence; log-probs equal the padded path's to float rounding")
     load: Literal["rank0", "every_rank"] = Field(
         "rank0", description="how a sharded role's ranks get the weights: rank0 reads the files on the group's "
         "first rank only and broadcasts each tensor, the others building on the meta device (one full copy per "

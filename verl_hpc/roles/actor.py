@@ -83,10 +83,12 @@ def data_parallel_scale(mask: torch.Tensor, agg_mode: str, group: dist.ProcessGr
 
 class Actor(OptimizedModel):
     def __init__(self, model: torch.nn.Module, algo: AlgorithmConfig, optim: OptimConfig, total_steps: int,
-                 dp_group: dist.ProcessGroup | None = None, chunk_tokens: int = LOGPROB_CHUNK_TOKENS):
+                 dp_group: dist.ProcessGroup | None = None, chunk_tokens: int = LOGPROB_CHUNK_TOKENS,
+                 remove_padding: bool = False):
         super().__init__(model, optim, total_steps)
         self.dp_group = dp_group
         self.chunk_tokens = chunk_tokens  # model.logprob_chunk_tokens
+        self.remove_padding = remove_padding  # model.remove_padding
         self.algo = algo
         self.allocator = ResourceAllocator()  # the trainer sets device and floor (trainer.min_micro_batch_size)
         # With one pass (no separate old-logprob pass), the forward's own logprobs of the sampled
@@ -96,7 +98,7 @@ class Actor(OptimizedModel):
     def compute_logprobs(self, inputs: dict[str, torch.Tensor], micro_batch_size: int,
                          token_budget: int | None = None) -> torch.Tensor:
         return batched_logprobs(self.model, inputs, self.algo.sampling.temperature, micro_batch_size,
-                                self.chunk_tokens, token_budget, self.dp_group)
+                                self.chunk_tokens, token_budget, self.dp_group, self.remove_padding)
 
     def update(self, inputs: dict[str, torch.Tensor], plan: UpdatePlan) -> dict[str, float]:
         """PPO epochs over this rank's mini-batches; metrics are this rank's share (see `_optimizer_step`)."""
@@ -141,7 +143,8 @@ class Actor(OptimizedModel):
             mask = micro["response_mask"]
             weight = micro_weight(mask, total_tokens, total_rows, algo.loss_agg_mode) * dp_scale
             logprobs, entropy = response_logprobs(self.model, micro, algo.sampling.temperature,
-                                                  with_entropy=True, chunk_tokens=self.chunk_tokens)
+                                                  with_entropy=True, chunk_tokens=self.chunk_tokens,
+                                                  remove_padding=self.remove_padding)
             old = logprobs.detach() if reuse_forward else micro["old_logprobs"]
             seen.append((rows, old))
             pg, pg_stats = loss_fn(logprobs, old, micro["advantages"], mask, algo)

@@ -16,6 +16,7 @@ from verl_hpc.config.schema import OptimConfig
 from verl_hpc.roles.actor import UpdatePlan, data_parallel_scale, micro_weight
 from verl_hpc.roles.micro_batching import micro_batches_of, reassemble
 from verl_hpc.roles.optimizer import OptimizedModel
+from verl_hpc.roles.packing import pack, packed_response_outputs
 
 
 class ValueModel(nn.Module):
@@ -47,9 +48,17 @@ class ValueModel(nn.Module):
         backbone = AutoModel.from_pretrained(path, dtype=dtype)
         return cls(backbone, backbone.config.hidden_size, seed)
 
+    remove_padding = False  # model.remove_padding: the backbone over packed rows (packing.py)
+
     def forward(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         """Values of the states before each response token, [B, R]."""
         resp_len = inputs["response_mask"].shape[1]
+        packed = pack(inputs) if self.remove_padding else None
+        if packed is not None:
+            hidden = packed_response_outputs(
+                lambda ids, positions: self.backbone(input_ids=ids, position_ids=positions, attention_mask=None,
+                                                     use_cache=False).last_hidden_state, inputs, packed)
+            return self.value_head(hidden).squeeze(-1).float()
         hidden = self.backbone(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
                                position_ids=inputs["position_ids"], use_cache=False).last_hidden_state
         return self.value_head(hidden[:, -resp_len - 1:-1, :]).squeeze(-1).float()

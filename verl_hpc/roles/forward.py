@@ -19,6 +19,7 @@ from torch.utils.checkpoint import checkpoint
 from verl_hpc.algo import entropy_from_logits, logprobs_from_logits
 from verl_hpc.config.schema import LOGPROB_CHUNK_TOKENS
 from verl_hpc.roles.micro_batching import micro_batches_of, reassemble
+from verl_hpc.roles.packing import PackedRows, pack, packed_response_outputs
 
 # Config fields with which a model changes its logits after the output head (Gemma's
 # soft-capping, Cohere's and Granite's scales): the chunked path would skip that step, so
@@ -68,25 +69,27 @@ def exclude_padding(logits: torch.Tensor, pad_id: int | None) -> torch.Tensor:
 
 def response_logprobs(model: torch.nn.Module, inputs: dict[str, torch.Tensor], temperature: float,
                       with_entropy: bool = False, chunk_tokens: int = LOGPROB_CHUNK_TOKENS,
-                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      remove_padding: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token logprobs of the response under `model` (and entropies if asked).
 
     With more than `chunk_tokens` response tokens (and a plain linear head) the logits exist
     one chunk of tokens at a time, in forward and in backward (`chunked_token_stats`); else
-    all at once.
+    all at once. `remove_padding`: the forward runs over packed rows (packing.py) and the
+    head over the response tokens' hidden states only.
     """
     resp_len = inputs["response_mask"].shape[1]
     labels = inputs["input_ids"][:, -resp_len:]
     # Within one chunk the whole path is within the bound already, and keeps the numbers of
     # every earlier run bit for bit (a tiny model's whole batch is one chunk).
-    head = chunkable_head(model) if 0 < chunk_tokens < labels.numel() else None
+    packed = pack(inputs) if remove_padding else None
+    head = chunkable_head(model) if packed is not None or 0 < chunk_tokens < labels.numel() else None
     if head is None:
         logits = response_logits(model, inputs, temperature).float()
         logprobs = logprobs_from_logits(logits, labels)
         return logprobs, entropy_from_logits(logits) if with_entropy else None
-    hidden = response_hidden(model, head, inputs)
+    hidden = response_hidden(model, head, inputs, packed)
     return chunked_token_stats(hidden, head, labels, temperature, unsampled_token(model), with_entropy,
-                               chunk_tokens)
+                               chunk_tokens if chunk_tokens > 0 else labels.numel())
 
 
 def chunkable_head(model: torch.nn.Module) -> torch.nn.Linear | None:
@@ -111,15 +114,21 @@ def _head_passes_hidden(head: torch.nn.Module) -> Iterator[None]:
         del head.forward
 
 
-def response_hidden(model: torch.nn.Module, head: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+def response_hidden(model: torch.nn.Module, head: torch.nn.Module, inputs: dict[str, torch.Tensor],
+                    packed: PackedRows | None = None) -> torch.Tensor:
     """Last hidden states at the positions that predict each response token, [B, R, H].
 
     Why through the model's own forward and not its decoder submodule: under FSDP2 the
     root module's hooks gather the parameters it holds (embeddings, final norm, head) and
     drive the backward's reduce-scatter; calling a submodule directly would skip them.
+    `packed`: the forward over packed rows, no attention mask (packing.py).
     """
     with _head_passes_hidden(head):
-        return _response_outputs(model, inputs)
+        if packed is None:
+            return _response_outputs(model, inputs)
+        return packed_response_outputs(
+            lambda ids, positions: model(input_ids=ids, position_ids=positions, attention_mask=None,
+                                         use_cache=False).logits, inputs, packed)
 
 
 def _token_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
@@ -159,13 +168,14 @@ def chunked_token_stats(hidden: torch.Tensor, head: torch.nn.Linear, labels: tor
 @torch.no_grad()
 def batched_logprobs(model: torch.nn.Module, inputs: dict[str, torch.Tensor], temperature: float,
                      micro_batch_size: int, chunk_tokens: int = LOGPROB_CHUNK_TOKENS, token_budget: int | None = None,
-                     group: dist.ProcessGroup | None = None) -> torch.Tensor:
+                     group: dist.ProcessGroup | None = None, remove_padding: bool = False) -> torch.Tensor:
     """Inference-only logprobs over micro-batches (reference policy, old policy), [B, R] in row order.
 
     `token_budget`/`group`: micro-batches by tokens, as many on every rank of the
     data-parallel `group` (micro_batching.py); columns trimmed away come back as 0 (padding).
     """
-    parts = [(rows, response_logprobs(model, mb, temperature, chunk_tokens=chunk_tokens)[0])
+    parts = [(rows, response_logprobs(model, mb, temperature, chunk_tokens=chunk_tokens,
+                                      remove_padding=remove_padding)[0])
              for rows, mb in micro_batches_of(inputs, micro_batch_size, token_budget, group)]
     return reassemble(parts, inputs["input_ids"].shape[0], inputs["response_mask"].shape[1])
 

@@ -216,7 +216,8 @@ def build_roles(cfg: RunConfig, run_dir: Path, spec: BuildSpec, actor_model: Any
             checkpoint_activations(policy)
         load.shard(policy, lambda m: shard_or_autocast(m, cfg.model.mixed_precision, spec.device, spec.fsdp_group))
         roles.actor = Actor(policy, cfg.algorithm, cfg.trainer.actor_optim, cfg.trainer.total_steps,
-                            dp_group=spec.fsdp_group, chunk_tokens=cfg.model.logprob_chunk_tokens)
+                            dp_group=spec.fsdp_group, chunk_tokens=cfg.model.logprob_chunk_tokens,
+                            remove_padding=cfg.model.remove_padding)
     if "critic" in spec.hosted:
         roles.critic = _build_critic(cfg, spec, model_dir, dtype, load)
     if "rollout" in spec.hosted:
@@ -245,6 +246,7 @@ def _frozen(model: torch.nn.Module, cfg: RunConfig, spec: BuildSpec, load: Group
 def _build_critic(cfg: RunConfig, spec: BuildSpec, model_dir: str, dtype: torch.dtype, load: GroupLoad) -> Critic:
     critic_dir = str(expand_path(cfg.model.critic_path)) if cfg.model.critic_path else model_dir
     value_model = ValueModel.from_pretrained(critic_dir, dtype, seed=cfg.trainer.seed, skeleton=load.skeleton)
+    value_model.remove_padding = cfg.model.remove_padding
     if not load.skeleton:
         value_model.to(spec.device)
     if cfg.model.gradient_checkpointing:

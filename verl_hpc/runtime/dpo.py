@@ -79,9 +79,11 @@ class DPOTrainer(StepCounters):
             inputs = to_device(self.pairs.model_inputs(rows, p.roles.pad_id), p.roles.device)
             mask, average = inputs["response_mask"], dpo.loss_type == "ipo"  # type: ignore[union-attr]
             with torch.no_grad():
-                ref_logps = sequence_logps(response_logprobs(ref, inputs, 1.0, chunk_tokens=actor.chunk_tokens)[0],  # type: ignore[union-attr]
+                ref_logps = sequence_logps(response_logprobs(ref, inputs, 1.0, chunk_tokens=actor.chunk_tokens,
+                                                             remove_padding=actor.remove_padding)[0],  # type: ignore[union-attr]
                                            mask, average)
-            tokens = response_logprobs(actor.model, inputs, 1.0, chunk_tokens=actor.chunk_tokens)[0]  # type: ignore[union-attr]
+            tokens = response_logprobs(actor.model, inputs, 1.0, chunk_tokens=actor.chunk_tokens,  # type: ignore[union-attr]
+                                       remove_padding=actor.remove_padding)[0]  # type: ignore[union-attr]
             policy_logps, k = sequence_logps(tokens, mask, average), len(rows)
             nll = -sequence_logps(tokens[:k], mask[:k], average=True)
             out = preference_loss(policy_logps[:k], policy_logps[k:], ref_logps[:k], ref_logps[k:], dpo.beta,  # type: ignore[union-attr]

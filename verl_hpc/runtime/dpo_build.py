@@ -110,7 +110,7 @@ def build_dpo_roles(cfg: RunConfig, run_dir: Path, spec: BuildSpec, actor_model:
     for model in (ref, policy):
         load.shard(model, lambda m: shard_or_autocast(m, cfg.model.mixed_precision, spec.device, spec.fsdp_group))
     actor = Actor(policy, cfg.algorithm, cfg.trainer.actor_optim, cfg.trainer.total_steps, dp_group=spec.fsdp_group,
-                  chunk_tokens=cfg.model.logprob_chunk_tokens)
+                  chunk_tokens=cfg.model.logprob_chunk_tokens, remove_padding=cfg.model.remove_padding)
     trainer = cfg.trainer
     allocator = ResourceAllocator(spec.device, trainer.min_micro_batch_size, False)  # no OOM retry: fixed slices
     actor.allocator = allocator
