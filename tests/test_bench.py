@@ -64,7 +64,7 @@ def test_bench_tables_name_targets(quick_run: tuple[subprocess.CompletedProcess,
     assert proc.returncode == 0, proc.stderr[-3000:]
     for header in ("checkpoint benchmark:", "transport benchmark:", "weight sync benchmark:", "RL step benchmark:",
                    "scaling benchmark:", "placement benchmark:", "preemption benchmark:", "Preset step cost:",
-                   "LoRA benchmark:"):
+                   "memory benchmark:"):
         assert header in proc.stdout
     assert proc.stdout.count(" met") + proc.stdout.count(" MISSED") >= len(BENCHMARKS)
 
