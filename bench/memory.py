@@ -21,6 +21,7 @@ Reported: ratios variant / plain of peak memory and of step time, and the length
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -100,8 +101,12 @@ def measure(model: str, switches: dict[str, Any], rows: int, prompt: int, respon
 def in_fresh_process(module: str, *args: Any) -> dict[str, Any]:
     """`module.measure(*args)` in a new interpreter (so one variant's freed pages cannot hide another's peak)."""
     code = f"import json; from {module} import measure; print(json.dumps(measure(*{args!r})))"
+    # A fixed mmap threshold (as bench/logprob_memory.py): glibc otherwise raises it after large
+    # frees and serves later large tensors from its heap, where freed pages stay resident, so the
+    # peak would measure the allocator's history (LoRA's many small tensors showed +17% that way).
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                          cwd=Path(__file__).resolve().parents[1])
+                          cwd=Path(__file__).resolve().parents[1], env=env)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
