@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import importlib.util
 import os
 import signal
 import subprocess
@@ -17,6 +18,7 @@ from tests.conftest import REPO, run_cli
 from tests.test_train_e2e import scalars
 from verl_hpc.config import ConfigError, load_config
 from verl_hpc.config.schema import AlgorithmConfig, LoraConfig, OptimConfig
+from verl_hpc.metrics import read_jsonl_metrics
 from verl_hpc.roles.actor import Actor, UpdatePlan
 from verl_hpc.roles.lora import apply_lora, merged_params
 from verl_hpc.runtime.checkpointing import ModelState
@@ -138,3 +140,18 @@ def test_lora_on_fsdp_ranks_survives_kill_9_and_exports_merged_and_adapter(tmp_p
     assert torch.equal(logits["merged"], logits["end of run"])
     assert torch.allclose(logits["merged"], logits["peft"], atol=1e-5)
     assert not torch.allclose(logits["merged"], logits["base"], atol=1e-3)  # it did train
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
+def test_colocated_vllm_samples_from_the_merged_adapters(tmp_path: Path) -> None:
+    """vLLM holds the plain architecture: each sync must carry W + (alpha / r) B A, or the
+    engine's probabilities of the sampled tokens drift from the trainer's LoRA model."""
+    run_dir = tmp_path / "run"
+    proc = run_cli("train", "configs/quickstart_vllm.yaml", "--run-dir", str(run_dir), "model.lora.rank=8",
+                   "trainer.total_steps=3", "logging.progress=off")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_jsonl_metrics(run_dir / "tensorboard" / "metrics.jsonl")
+    assert [row["actor/policy_version"] for row in rows] == [1.0, 2.0, 3.0]
+    assert rows[-1]["perf/weight_sync_bytes"] > 0
+    assert rows[-1]["training/rollout_probs_diff_max"] < 1e-4  # sampled by the trained weights
