@@ -28,7 +28,10 @@ BENCHMARKS = {"checkpoint": "bench.checkpoint", "transport": "bench.transport",
               "memory": "bench.memory"}
 # Not in `all`: it needs the local Slurm cluster and minutes of its time (`preemption --slurm`).
 OPT_IN = {"preemption_slurm": "bench.preemption_slurm",
-          "versions": "bench.versions"}  # also not in `all`: a git worktree of another revision, minutes
+          "versions": "bench.versions",  # also not in `all`: a git worktree of another revision, minutes
+          "step_smollm2": "bench.step_smollm2"}  # and the real-model step: a built model, TRL's venv, minutes
+# `--model NAME` picks a benchmark's real-model variant: (benchmark, model) -> the module's name above.
+MODEL_VARIANTS = {("step", "smollm2"): "step_smollm2"}
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -60,11 +63,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS, help="where the JSON results go (default: %(default)s)")
     parser.add_argument("--slurm", action="store_true",
                         help="preemption only: a real preemption on the local Slurm cluster (preemption_slurm)")
+    parser.add_argument("--model", choices=sorted({m for _, m in MODEL_VARIANTS}),
+                        help="step only: the same benchmark on a real model (step --model smollm2)")
     args = parser.parse_args(argv)
     if args.slurm:
         if args.name != "preemption":
             parser.error("--slurm goes with the preemption benchmark only")
         args.name = "preemption_slurm"
+    if args.model:
+        if (args.name, args.model) not in MODEL_VARIANTS:
+            parser.error(f"--model {args.model} goes with: "
+                         + ", ".join(b for b, m in MODEL_VARIANTS if m == args.model))
+        args.name = MODEL_VARIANTS[(args.name, args.model)]
     for name in BENCHMARKS if args.name == "all" else [args.name]:
         run_one(name, args.quick, args.dir, args.out)
     return 0

@@ -28,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,40 +44,69 @@ FLOOR_TARGET, TRL_TARGET = 1.1, 1.3
 PROMPTS, N, NEW_TOKENS, LR, THREADS = 16, 8, 16, 1e-3, 1
 
 
-def _config(preset: str, model_dir: Path, total_steps: int) -> dict[str, Any]:
-    return {
-        "model": {"path": str(model_dir), "init_preset": preset, "init_seed": 0},
+@dataclass(frozen=True)
+class Shape:
+    """One step's work, the same for all three sides: prompts x samples x new tokens, AdamW lr, threads."""
+
+    prompts: int = PROMPTS
+    n: int = N
+    new_tokens: int = NEW_TOKENS
+    lr: float = LR
+    threads: int = THREADS
+
+
+TINY = Shape()
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in extra.items():
+        out[key] = _merge(out.get(key, {}), value) if isinstance(value, dict) else value
+    return out
+
+
+def _config(preset: str, model_dir: Path, total_steps: int, shape: Shape = TINY,
+            overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    model: dict[str, Any] = {"path": str(model_dir)}
+    if preset in ("tiny", "small"):  # a locally made random model, rebuilt from its preset if missing
+        model.update(init_preset=preset, init_seed=0)
+    return _merge({
+        "model": model,
         "data": {"task": {"name": "arithmetic", "num_prompts": 512, "max_operand": 4, "seed": 0}},
         "reward": {"function": "verl_hpc.data.tasks.arithmetic:score"},
-        "algorithm": {"name": "grpo", "sampling": {"n": N, "temperature": 1.0, "max_new_tokens": NEW_TOKENS},
+        "algorithm": {"name": "grpo", "sampling": {"n": shape.n, "temperature": 1.0,
+                                                   "max_new_tokens": shape.new_tokens},
                       "kl": {"coef": 0.0}},
-        "trainer": {"total_steps": total_steps, "batch_size": PROMPTS * N, "seed": 0, "save_hf_model": False,
-                    "torch_threads": THREADS, "actor_optim": {"lr": LR, "grad_clip": 1.0}},
+        "trainer": {"total_steps": total_steps, "batch_size": shape.prompts * shape.n, "seed": 0,
+                    "save_hf_model": False, "torch_threads": shape.threads,
+                    "actor_optim": {"lr": shape.lr, "grad_clip": 1.0}},
         "checkpoint": {"interval_steps": 10**6},
         "logging": {"tensorboard": False, "progress": "off", "sample_every": 10**6, "num_samples": 0,
                     "log_every": 10**6},
-    }
+    }, overrides or {})
 
 
 class Floor:
     """The raw floor: plain generate + one forward/backward/AdamW over the same tokens."""
 
-    def __init__(self, model_dir: Path, prompts: list[str]) -> None:
+    def __init__(self, model_dir: Path, prompts: list[str], shape: Shape = TINY) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.tok = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        self.optim = torch.optim.AdamW(self.model.parameters(), lr=LR, weight_decay=0.0)
-        self.prompts, self.cursor = prompts, 0
+        self.optim = torch.optim.AdamW(self.model.parameters(), lr=shape.lr, weight_decay=0.0)
+        self.prompts, self.cursor, self.shape = prompts, 0, shape
         self.phases: list[dict[str, float]] = []  # per step: gen and total seconds
 
     def step(self) -> float:
-        batch = [self.prompts[(self.cursor + i) % len(self.prompts)] for i in range(PROMPTS) for _ in range(N)]
-        self.cursor += PROMPTS
+        shape = self.shape
+        batch = [self.prompts[(self.cursor + i) % len(self.prompts)] for i in range(shape.prompts)
+                 for _ in range(shape.n)]
+        self.cursor += shape.prompts
         start = time.perf_counter()
         enc = self.tok(batch, return_tensors="pt", padding=True, add_special_tokens=False)
         with torch.no_grad():
-            seqs = self.model.generate(**enc, do_sample=True, max_new_tokens=NEW_TOKENS, temperature=1.0,
+            seqs = self.model.generate(**enc, do_sample=True, max_new_tokens=shape.new_tokens, temperature=1.0,
                                        top_k=0, top_p=1.0,  # the full distribution, like verl-hpc and TRL
                                        pad_token_id=self.tok.pad_token_id, eos_token_id=self.tok.eos_token_id)
         self.phases.append({"gen": time.perf_counter() - start})
@@ -97,10 +127,10 @@ class TRLProcess:
     """bench/trl_grpo.py in the TRL venv, run block by block."""
 
     def __init__(self, model_dir: Path, prompts: list[str], answers: list[str], max_steps: int, out: Path,
-                 threads: int = THREADS) -> None:
-        settings = {"model_dir": str(model_dir), "prompts": prompts, "answers": answers, "batch_size": PROMPTS * N,
-                    "n": N, "max_new_tokens": NEW_TOKENS, "lr": LR, "max_steps": max_steps, "seed": 0,
-                    "threads": threads, "output_dir": str(out)}
+                 threads: int = THREADS, shape: Shape = TINY) -> None:
+        settings = {"model_dir": str(model_dir), "prompts": prompts, "answers": answers,
+                    "batch_size": shape.prompts * shape.n, "n": shape.n, "max_new_tokens": shape.new_tokens,
+                    "lr": shape.lr, "max_steps": max_steps, "seed": 0, "threads": threads, "output_dir": str(out)}
         env = {**os.environ, "PYTHONPATH": "", "TOKENIZERS_PARALLELISM": "false"}
         (out / "settings.json").write_text(json.dumps(settings))
         self.proc = subprocess.Popen([str(TRL_PYTHON), str(HERE / "trl_grpo.py"), str(out / "settings.json")],
@@ -133,22 +163,29 @@ def trl_unavailable() -> str | None:
     return None
 
 
-def measure(preset: str, reps: int, block: int, with_trl: bool, work: Path) -> dict[str, Any]:
-    """One interleaved run for one model size; warm-up blocks of each method are dropped."""
+def measure(preset: str, reps: int, block: int, with_trl: bool, work: Path, shape: Shape = TINY,
+            model_dir: Path | None = None, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One interleaved run for one model; warm-up blocks of each method are dropped.
+
+    `model_dir` None: the random model of `preset`, made here; else an existing HF directory.
+    """
     from verl_hpc import HybridTrainer
 
-    model_dir = Path.home() / ".cache" / "verl-hpc" / "models" / f"{preset}-seed0"
+    made = model_dir is None
+    model_dir = model_dir or Path.home() / ".cache" / "verl-hpc" / "models" / f"{preset}-seed0"
     total = block * (reps + 1)
-    trainer = HybridTrainer(_config(preset, model_dir, total), run_dir=work / f"run-{preset}")
+    trainer = HybridTrainer(_config(preset, model_dir, total, shape, overrides), run_dir=work / f"run-{preset}")
     examples = make_examples(512, 4, 0)
     prompts, answers = [e["prompt"] for e in examples], [e["ground_truth"] for e in examples]
-    from verl_hpc.models.tiny import init_model
+    if made:
+        from verl_hpc.models.tiny import init_model
 
-    init_model(model_dir, preset=preset, seed=0)
-    floor = Floor(model_dir, prompts)
+        init_model(model_dir, preset=preset, seed=0)
+    floor = Floor(model_dir, prompts, shape)
     trl_reason = trl_unavailable() if with_trl else "not run in --quick mode"
     (work / f"trl-{preset}").mkdir(exist_ok=True)
-    trl = TRLProcess(model_dir, prompts, answers, total, work / f"trl-{preset}") if trl_reason is None else None
+    trl = TRLProcess(model_dir, prompts, answers, total, work / f"trl-{preset}", threads=shape.threads,
+                     shape=shape) if trl_reason is None else None
     times: dict[str, list[list[float]]] = {"verl_hpc": [], "floor": [], "trl": []}
     current: list[float] = []
     verl_phases: list[dict[str, float]] = []

@@ -75,3 +75,24 @@ def test_weight_sync_bench_checks_the_weights(quick_run: tuple[subprocess.Comple
     _, out = quick_run
     result = json.loads((out / "weight_sync-quick.json").read_text())
     assert all(case["weights_equal"] for case in result["cases"])
+
+
+def test_model_flag_picks_the_real_model_variant(capsys: pytest.CaptureFixture[str]) -> None:
+    """`--model smollm2` maps `step` to its real-model module; with any other benchmark it is refused."""
+    from bench.__main__ import MODEL_VARIANTS, OPT_IN, main
+
+    assert MODEL_VARIANTS[("step", "smollm2")] in OPT_IN
+    with pytest.raises(SystemExit) as exit_info:
+        main(["transport", "--model", "smollm2"])
+    assert exit_info.value.code == 2
+    assert "--model smollm2 goes with: step" in capsys.readouterr().err
+
+
+def test_smollm2_step_without_the_model_is_skipped_with_the_fix(monkeypatch: pytest.MonkeyPatch,
+                                                                  tmp_path: Path) -> None:
+    import bench.step_smollm2 as step_smollm2
+
+    monkeypatch.setattr(step_smollm2, "SMOLLM2", tmp_path / "absent")
+    result = step_smollm2.run(quick=True)
+    assert "tools/make_smollm2.py" in result["skipped"]
+    assert step_smollm2.table(result).endswith(result["skipped"])
