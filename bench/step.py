@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from verl_hpc.config.loader import apply_overrides
 from verl_hpc.data.tasks.arithmetic import make_examples
 
 HERE = Path(__file__).resolve().parent
@@ -54,23 +55,22 @@ class Shape:
     lr: float = LR
     threads: int = THREADS
 
+    def setup(self) -> dict[str, Any]:
+        """The shape as every step result records it (`table` reads these keys)."""
+        return {"prompts": self.prompts, "n": self.n, "max_new_tokens": self.new_tokens, "lr": self.lr,
+                "threads": self.threads}
+
 
 TINY = Shape()
 
 
-def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for key, value in extra.items():
-        out[key] = _merge(out.get(key, {}), value) if isinstance(value, dict) else value
-    return out
-
-
-def _config(preset: str, model_dir: Path, total_steps: int, shape: Shape = TINY,
-            overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+def _config(model_dir: Path, init_preset: str | None, total_steps: int, shape: Shape = TINY,
+            overrides: list[str] | None = None) -> dict[str, Any]:
+    """The project's side; `overrides` are the CLI's `key.path=value` strings."""
     model: dict[str, Any] = {"path": str(model_dir)}
-    if preset in ("tiny", "small"):  # a locally made random model, rebuilt from its preset if missing
-        model.update(init_preset=preset, init_seed=0)
-    return _merge({
+    if init_preset is not None:  # a locally made random model, rebuilt from its preset if missing
+        model.update(init_preset=init_preset, init_seed=0)
+    return apply_overrides({
         "model": model,
         "data": {"task": {"name": "arithmetic", "num_prompts": 512, "max_operand": 4, "seed": 0}},
         "reward": {"function": "verl_hpc.data.tasks.arithmetic:score"},
@@ -83,7 +83,7 @@ def _config(preset: str, model_dir: Path, total_steps: int, shape: Shape = TINY,
         "checkpoint": {"interval_steps": 10**6},
         "logging": {"tensorboard": False, "progress": "off", "sample_every": 10**6, "num_samples": 0,
                     "log_every": 10**6},
-    }, overrides or {})
+    }, overrides or [])
 
 
 class Floor:
@@ -164,7 +164,7 @@ def trl_unavailable() -> str | None:
 
 
 def measure(preset: str, reps: int, block: int, with_trl: bool, work: Path, shape: Shape = TINY,
-            model_dir: Path | None = None, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
+            model_dir: Path | None = None, overrides: list[str] | None = None) -> dict[str, Any]:
     """One interleaved run for one model; warm-up blocks of each method are dropped.
 
     `model_dir` None: the random model of `preset`, made here; else an existing HF directory.
@@ -174,7 +174,8 @@ def measure(preset: str, reps: int, block: int, with_trl: bool, work: Path, shap
     made = model_dir is None
     model_dir = model_dir or Path.home() / ".cache" / "verl-hpc" / "models" / f"{preset}-seed0"
     total = block * (reps + 1)
-    trainer = HybridTrainer(_config(preset, model_dir, total, shape, overrides), run_dir=work / f"run-{preset}")
+    trainer = HybridTrainer(_config(model_dir, preset if made else None, total, shape, overrides),
+                            run_dir=work / f"run-{preset}")
     examples = make_examples(512, 4, 0)
     prompts, answers = [e["prompt"] for e in examples], [e["ground_truth"] for e in examples]
     if made:
@@ -322,8 +323,7 @@ def run(quick: bool = False, scratch: str | None = None) -> dict[str, Any]:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     ratios = {f"{k}_{c['preset']}": v for c in [*cases, *overlap] for k, v in c["ratios"].items()}
-    return {"quick": quick, "setup": {"prompts": PROMPTS, "n": N, "max_new_tokens": NEW_TOKENS, "lr": LR,
-                                      "threads": THREADS},
+    return {"quick": quick, "setup": TINY.setup(),
             "targets": {"verl_hpc_vs_floor": FLOOR_TARGET, "throughput_verl_hpc_vs_trl": TRL_TARGET},
             "cases": cases, "overlap": overlap, "ratios": ratios}
 

@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from bench.step import LR, NEW_TOKENS, PROMPTS, THREADS, N, measure_overlap, overlap_lines
+from bench.step import TINY, measure_overlap, overlap_lines
 
 
 def run(quick: bool = False, scratch: str | None = None) -> dict[str, Any]:
@@ -23,7 +23,7 @@ def run(quick: bool = False, scratch: str | None = None) -> dict[str, Any]:
         overlap = [measure_overlap(preset, reps, steps, work, with_trl) for preset, reps, steps, with_trl in plan]
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return {"setup": {"prompts": PROMPTS, "n": N, "max_new_tokens": NEW_TOKENS, "lr": LR, "threads": THREADS},
+    return {"setup": TINY.setup(),
             "overlap": overlap,
             "ratios": {f"{k}_{o['preset']}": v for o in overlap for k, v in o["ratios"].items()}}
 

@@ -29,12 +29,11 @@ from bench.step import table as step_table
 SHAPE = Shape(prompts=8, n=4, new_tokens=64, threads=int(os.environ.get("BENCH_SMOLLM2_THREADS", "2")))
 REPS = int(os.environ.get("BENCH_SMOLLM2_REPS", "3"))
 # The project's switches for a real model beyond its defaults (docs/memory.md).
-OVERRIDES = {"model": {"remove_padding": True}}
+OVERRIDES = ["model.remove_padding=true"]
 
 
 def run(quick: bool = False, scratch: str | None = None) -> dict[str, Any]:
-    setup = {"prompts": SHAPE.prompts, "n": SHAPE.n, "max_new_tokens": SHAPE.new_tokens, "lr": SHAPE.lr,
-             "threads": SHAPE.threads, "model": str(SMOLLM2)}
+    setup = {**SHAPE.setup(), "model": str(SMOLLM2)}
     out: dict[str, Any] = {"quick": quick, "setup": setup, "cases": [], "overlap": [], "ratios": {},
                            "targets": {"verl_hpc_vs_floor": FLOOR_TARGET, "throughput_verl_hpc_vs_trl": TRL_TARGET}}
     if not (SMOLLM2 / "config.json").exists():
