@@ -7,7 +7,6 @@ import os
 import pickle
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -25,6 +24,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from verl_hpc.checkpoint.layout import list_checkpoints, read_manifest
 from verl_hpc.checkpoint.manager import CheckpointError, CheckpointManager, read_rank_file, read_shared
+from verl_hpc.runtime.env import free_port
 
 # DCP announces every single-process save/load; expected here.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -202,14 +202,9 @@ def test_sigkill_mid_write_leaves_last_committed(tmp_path: Path) -> None:
 
 # --- multi-process: FSDP2 saved by 2 ranks, loaded by 1 and by 4 -------------------------------
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 def _spawn(fn, world: int, *args, deadline: float = 90.0) -> None:
-    ctx = mp.start_processes(fn, args=(world, _free_port(), *args), nprocs=world, join=False,
+    ctx = mp.start_processes(fn, args=(world, free_port(), *args), nprocs=world, join=False,
                              start_method="spawn")
     start = time.monotonic()
     while not ctx.join(timeout=1):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -15,13 +14,7 @@ import torch.multiprocessing as mp
 from verl_hpc.config import ResourceConfig, RoleResources
 from verl_hpc.config.placement import plan_processes
 from verl_hpc.runtime.dist import init_distributed
-from verl_hpc.runtime.env import JobEnvironment
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from verl_hpc.runtime.env import JobEnvironment, free_port
 
 
 def _env(rank: int, world: int, port: int) -> JobEnvironment:
@@ -137,7 +130,7 @@ def test_fsdp_update_and_weight_syncs_are_exact(tmp_path: Path, tiny_model_dir: 
 
         packed = [pack({k: v[s:s + 4] for k, v in _inputs(resp=12).items()}) for s in (0, 4)]
         assert all(p is not None for p in packed) and any(p.rows < 4 for p in packed), packed
-    port = _free_port()
+    port = free_port()
     mp.start_processes(_worker, args=(3, port, str(tiny_model_dir), str(tmp_path), variant), nprocs=3,
                        start_method="spawn", join=True)
     expected = _reference_update(str(tiny_model_dir), variant)

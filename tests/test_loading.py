@@ -8,7 +8,6 @@ shard, not by the whole model as when every rank reads it.
 from __future__ import annotations
 
 import os
-import socket
 import threading
 import time
 from pathlib import Path
@@ -19,12 +18,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from verl_hpc.roles.loading import causal_lm_skeleton, is_skeleton, parameters_on_meta
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from verl_hpc.runtime.env import free_port
 
 
 def _rss() -> int:
@@ -66,7 +60,7 @@ def _worker(rank: int, port: int, model_dir: str, out_dir: str, mode: str) -> No
 
 
 def _spawn(model_dir: Path, out: Path, mode: str) -> list[dict]:
-    mp.start_processes(_worker, args=(_free_port(), str(model_dir), str(out), mode), nprocs=2,
+    mp.start_processes(_worker, args=(free_port(), str(model_dir), str(out), mode), nprocs=2,
                        start_method="spawn", join=True)
     return [torch.load(out / f"{mode}{rank}.pt", weights_only=True) for rank in (0, 1)]
 

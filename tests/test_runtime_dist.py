@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -22,7 +21,7 @@ import torch.multiprocessing as mp
 from verl_hpc.config.placement import ProcessPlan, plan_processes
 from verl_hpc.config.resources import ResourceConfig, RoleResources
 from verl_hpc.runtime.dist import DistContext, DistTimeoutError, init_distributed, parse_failed_ranks
-from verl_hpc.runtime.env import JobEnvironment
+from verl_hpc.runtime.env import JobEnvironment, free_port
 
 BARRIER_TIMEOUT_S = 2.0
 SPAWN_DEADLINE_S = 60.0
@@ -33,11 +32,6 @@ def split_plan() -> ProcessPlan:
                                reward=RoleResources(device_ids=[0]), placement="split")
     return plan_processes(resources, needs_critic=False, needs_ref=False, reward_is_model=True)
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def local_env(rank: int, world: int, port: int) -> JobEnvironment:

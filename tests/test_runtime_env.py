@@ -205,3 +205,18 @@ def test_write_debug_file(tmp_path: Path) -> None:
     assert [p.name for p in path.parent.iterdir()] == ["rank3.json"]  # no temp file left behind
     env.write_debug_file(path)  # overwriting keeps the mode
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+
+
+def test_free_port_is_bindable_and_below_the_ephemeral_range() -> None:
+    """Ports the kernel hands to outgoing connections would race with the rendezvous (CI's EADDRINUSE)."""
+    import socket
+
+    from verl_hpc.runtime.env import SLURM_PORT_BASE, _ephemeral_start, free_port
+
+    ports = {free_port() for _ in range(20)}
+    assert len(ports) > 10  # drawn at random, not one fixed port
+    for port in ports:
+        assert 1024 <= port < _ephemeral_start()
+        assert not SLURM_PORT_BASE <= port < SLURM_PORT_BASE + 1000
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", ports.pop()))

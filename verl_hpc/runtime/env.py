@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import shutil
 import socket
@@ -32,9 +33,11 @@ Scheduler = Literal["local", "slurm", "torchrun"]
 # Ports derived from a job id fall in [base, base + PORT_SPAN): wide enough that two jobs
 # sharing a node rarely collide, low enough to stay below the ephemeral range (32768+).
 PORT_SPAN = 20000
+SLURM_PORT_BASE = 29500  # torchrun's default MASTER_PORT; a Slurm job's port is this + job id % PORT_SPAN
 DEBUG_PREFIXES = ("VERL_HPC_", "SLURM_", "MASTER_", "NCCL_", "GLOO_", "TORCHELASTIC_")
 DEBUG_NAMES = ("CUDA_VISIBLE_DEVICES", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 SCONTROL_TIMEOUT_S = 10.0
+_PORT_DRAW = random.SystemRandom()  # os.urandom per draw: forked or seeded processes still draw apart
 
 
 def expand_hostlist(spec: str) -> list[str]:
@@ -137,11 +140,37 @@ def port_from_job_id(job_id: str | None, base: int) -> int:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port the OS says is free now. Racy by nature (another process may take it before
-    the workers bind it), which is acceptable for one-machine runs."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+    """A port that nothing listens on now, drawn at random below the kernel's ephemeral range.
+
+    Why not `bind(0)`: the kernel hands out its ephemeral ports to every outgoing connection
+    too (gloo's pairs, Flight and HTTP clients), so a port it just said was free is soon
+    someone's source port; with two test sessions on two cores that race lost often enough
+    to fail CI ("EADDRINUSE" in rank 0's rendezvous). Below the ephemeral range only other
+    listeners compete, and a random draw over ~12k ports makes two pickers rarely meet.
+    Still racy by nature (a listener may appear before the workers bind), which is
+    acceptable for one-machine runs.
+    """
+    top = _ephemeral_start()
+    for _ in range(64):
+        port = _PORT_DRAW.randrange(max(1024, top - 12000), top)
+        if SLURM_PORT_BASE <= port < SLURM_PORT_BASE + 1000:  # where the first Slurm jobs' ports fall
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:  # a crowded range: let the kernel pick
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+def _ephemeral_start() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def _int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
@@ -257,7 +286,7 @@ class JobEnvironment:
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None,
-                 default_port_base: int = 29500) -> JobEnvironment:
+                 default_port_base: int = SLURM_PORT_BASE) -> JobEnvironment:
         """Read the launcher's variables (os.environ by default); see the module docstring."""
         env = os.environ if environ is None else environ
         if "VERL_HPC_RANK" in env:
