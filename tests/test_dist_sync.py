@@ -76,7 +76,7 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out_dir: str, vari
     res = ResourceConfig(actor=RoleResources(device_ids=[0, 1], strategy="fsdp"),
                          rollout=RoleResources(device_ids=[2]), placement="split")
     plan = plan_processes(res, needs_critic=False, needs_ref=False, reward_is_model=False)
-    ctx = init_distributed(_env(rank, world, port), plan, "gloo", 60)
+    ctx = init_distributed(_env(rank, world, port), plan, "gloo", 300)  # CI runs two sessions on 2 cores: starts can lag
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     engine = copy.deepcopy(model)
     if ctx.is_role("actor"):

@@ -49,7 +49,7 @@ def wait_for_files(paths: list[Path], deadline_s: float) -> None:
 def four_rank_worker(rank: int, port: int, out_dir: str) -> None:
     """Every scenario for one rank; results go to out_dir/rank<N>.json."""
     out = Path(out_dir)
-    ctx = init_distributed(local_env(rank, 4, port), split_plan(), "gloo", timeout_seconds=30)
+    ctx = init_distributed(local_env(rank, 4, port), split_plan(), "gloo", timeout_seconds=120)
     result: dict = {"group": ctx.group.name, "rank_in_group": ctx.rank_in_group,
                     "roles": {r: ctx.is_role(r) for r in ("actor", "rollout", "reward")},
                     "sync_groups": sorted(ctx.sync_groups)}
