@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
 from verl_hpc.config.base import StrictModel
 from verl_hpc.config.dpo import DPOConfig
+from verl_hpc.config.observability import LoggingConfig
 from verl_hpc.config.presets import PRESETS, expand_preset
 from verl_hpc.config.resources import ResourceConfig
 
@@ -305,21 +306,6 @@ class CheckpointConfig(StrictModel):
     keep_every: int | None = Field(None, ge=1)
     async_save: bool = Field(True, alias="async")
     resume: str = "auto"
-
-
-class LoggingConfig(StrictModel):
-    tensorboard: bool = True
-    log_every: int = Field(1, ge=1)
-    sample_every: int = Field(10, ge=1)
-    num_samples: int = Field(4, ge=0)
-    progress: Literal["auto", "bar", "lines", "off"] = "auto"
-    level: Literal["debug", "info", "warning", "error"] = "info"
-
-    @field_validator("progress", mode="before")
-    @classmethod
-    def _yaml_off(cls, value: object) -> object:
-        """YAML 1.1 reads a bare `off`/`on` as a boolean; take it as the user meant it."""
-        return {False: "off", True: "auto"}.get(value, value) if isinstance(value, bool) else value
 
 
 class SlurmConfig(StrictModel):

@@ -1,7 +1,9 @@
-"""Metrics: the last layer; TensorBoard + JSONL sinks, progress display, memory gauges."""
+"""Metrics: the last layer; sinks (TensorBoard, JSONL, Prometheus, wandb, MLflow), progress, gauges."""
 
+from verl_hpc.metrics.factory import open_sinks
 from verl_hpc.metrics.memory import memory_metrics
 from verl_hpc.metrics.progress import Progress
-from verl_hpc.metrics.tensorboard import MetricsLogger, read_jsonl_metrics
+from verl_hpc.metrics.sink import Emitter, MetricSinks
+from verl_hpc.metrics.tensorboard import read_jsonl_metrics
 
-__all__ = ["MetricsLogger", "Progress", "memory_metrics", "read_jsonl_metrics"]
+__all__ = ["Emitter", "MetricSinks", "Progress", "memory_metrics", "open_sinks", "read_jsonl_metrics"]

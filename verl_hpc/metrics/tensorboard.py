@@ -1,51 +1,64 @@
-"""Metrics sinks: TensorBoard event files plus a JSONL file any tool can read.
+"""The default sinks: TensorBoard event files plus a JSONL file any tool can read.
 
 Why both: TensorBoard is what people look at; the JSONL twin (one line per step, written
-by the same call) is what tests, benchmarks and resume-equality checks compare
-without parsing protobufs. Metric names follow verl's (`actor/pg_loss`, ...).
+by the same call) is what tests, benchmarks, resume-equality checks and `verl-hpc report`
+read without parsing protobufs. Metric names follow verl's (`actor/pg_loss`, ...).
 """
 
 from __future__ import annotations
 
 import json
-import math
+from collections.abc import Mapping
 from pathlib import Path
 
 
-class MetricsLogger:
-    def __init__(self, log_dir: str | Path, tensorboard: bool = True, purge_step: int | None = None):
-        self.log_dir = Path(log_dir)
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        if purge_step is not None:
-            truncate_jsonl(self.log_dir / "metrics.jsonl", purge_step)
-        self._writer = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
+class TensorBoardSink:
+    """Event files under the log dir; `purge_step` drops events at/after it, so a resumed run
+    never shows a step twice."""
 
-            # purge_step drops events at/after it: a resumed run never shows a step twice.
-            self._writer = SummaryWriter(str(self.log_dir), purge_step=purge_step)
-        self._jsonl = open(self.log_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115
+    name = "tensorboard"
 
-    def log_scalars(self, step: int, metrics: dict[str, float]) -> None:
-        clean = {k: float(v) for k, v in metrics.items() if v is not None and math.isfinite(float(v))}
-        if self._writer is not None:
-            for name, value in clean.items():
-                self._writer.add_scalar(name, value, global_step=step)
-        self._jsonl.write(json.dumps({"step": step, **clean}) + "\n")
+    def __init__(self, log_dir: str | Path, purge_step: int | None = None):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._writer = SummaryWriter(str(log_dir), purge_step=purge_step)
+
+    def log_scalars(self, step: int, metrics: Mapping[str, float]) -> None:
+        for name, value in metrics.items():
+            self._writer.add_scalar(name, value, global_step=step)
 
     def log_text(self, step: int, tag: str, text: str) -> None:
-        if self._writer is not None:
-            self._writer.add_text(tag, text, global_step=step)
+        self._writer.add_text(tag, text, global_step=step)
 
     def flush(self) -> None:
-        if self._writer is not None:
-            self._writer.flush()
-        self._jsonl.flush()
+        self._writer.flush()
 
     def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-        self._jsonl.close()
+        self._writer.close()
+
+
+class JsonlSink:
+    """`metrics.jsonl`: one line per step; a resumed run first drops the lines it will rewrite."""
+
+    name = "jsonl"
+
+    def __init__(self, log_dir: str | Path, purge_step: int | None = None):
+        path = Path(log_dir) / "metrics.jsonl"
+        if purge_step is not None:
+            truncate_jsonl(path, purge_step)
+        self._file = open(path, "a", buffering=1)  # noqa: SIM115 - open for the run's life
+
+    def log_scalars(self, step: int, metrics: Mapping[str, float]) -> None:
+        self._file.write(json.dumps({"step": step, **metrics}) + "\n")
+
+    def log_text(self, step: int, tag: str, text: str) -> None:
+        """Text (sample tables) goes to TensorBoard only: a JSONL row is one step's numbers."""
+
+    def flush(self) -> None:
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
 
 
 def truncate_jsonl(path: Path, purge_step: int) -> None:

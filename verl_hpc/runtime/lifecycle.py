@@ -10,16 +10,19 @@ ranks to leave) are placement methods.
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from verl_hpc.config import RunConfig
-from verl_hpc.metrics import MetricsLogger, Progress
+from verl_hpc.metrics import MetricSinks, Progress
+from verl_hpc.metrics.history import WALL_CLOCK
 from verl_hpc.runtime import resize, validation
 from verl_hpc.runtime.checkpointing import ModelState, RunCheckpointer, resume_path
 from verl_hpc.runtime.env import JobEnvironment
 from verl_hpc.runtime.loop import RLTrainer
+from verl_hpc.runtime.observe import RunObserver
 from verl_hpc.runtime.signals import REQUEUE_SIGNALS, StopFlag, requeue
 from verl_hpc.utils.logging import get_logger
 
@@ -106,26 +109,29 @@ class RunLifecycle:
     def run(self) -> Outcome:
         cfg, trainer, p = self.cfg, self.trainer, self.placement
         self.resume()
-        logger = MetricsLogger(self.run_dir / "tensorboard", cfg.logging.tensorboard,
-                               purge_step=trainer.step + 1) if p.is_leader else None
+        observer = RunObserver(cfg, self.run_dir, p)
+        sinks = observer.open(trainer.step)
         progress = Progress(cfg.trainer.total_steps, trainer.step, cfg.logging.progress) if p.is_leader else None
         if p.is_leader:
             log.info("training %s for %d steps in %s", cfg.algorithm.name, cfg.trainer.total_steps, self.run_dir)
+        ended = "failed"
         try:
             if trainer.step == 0 and validation.due(cfg, 0):
                 before = self.validate()
-                if logger is not None:
-                    logger.log_scalars(0, before)
+                if p.is_leader and sinks is not None:
+                    sinks.log_scalars(0, before)
                     log.info("validation before training: %s", _brief(before))
-            return self.steps(logger, progress)
+            outcome = self.steps(sinks, progress)
+            ended = outcome.stopped_by or "finished"
+            return outcome
         finally:
             if self.checkpointer is not None:
                 self.checkpointer.manager.wait()
-            for sink in (progress, logger):
-                if sink is not None:
-                    sink.close()
+            if progress is not None:
+                progress.close()
+            observer.close(trainer.step, ended)
 
-    def steps(self, logger: MetricsLogger | None, progress: Progress | None) -> Outcome:
+    def steps(self, sinks: MetricSinks | None, progress: Progress | None) -> Outcome:
         cfg, trainer, p = self.cfg, self.trainer, self.placement
         outcome = Outcome()
         while trainer.step < cfg.trainer.total_steps:
@@ -141,8 +147,8 @@ class RunLifecycle:
             self.maybe_save(metrics)  # trainer ranks, and a critic group's ranks that share the checkpoint
             if validation.due(cfg, trainer.step):
                 metrics.update(self.validate())
+            self.log_step(metrics, sinks, progress)
             if p.is_leader:
-                self.log_step(metrics, logger, progress)
                 outcome.metrics = metrics
             last = trainer.step == cfg.trainer.total_steps
             if resizing:
@@ -164,13 +170,15 @@ class RunLifecycle:
         p.serve_validation(step)
         return {}
 
-    def log_step(self, metrics: dict[str, float], logger: MetricsLogger | None, progress: Progress | None) -> None:
+    def log_step(self, metrics: dict[str, float], sinks: MetricSinks | None, progress: Progress | None) -> None:
+        """The leader logs the step; a serving group's first rank logs its own part of it."""
         cfg, step = self.cfg, self.trainer.step
-        if logger is not None and (step % cfg.logging.log_every == 0 or step == cfg.trainer.total_steps):
-            logger.log_scalars(step, metrics)
+        if sinks is not None and metrics and (step % cfg.logging.log_every == 0 or step == cfg.trainer.total_steps):
+            sinks.log_scalars(step, {**metrics, WALL_CLOCK: time.time()})
             batch = self.trainer.last_batch
-            if step % cfg.logging.sample_every == 0 and cfg.logging.num_samples and batch is not None:
-                logger.log_text(step, "samples", self.trainer.samples_text(batch))
+            if self.placement.is_leader and step % cfg.logging.sample_every == 0 and cfg.logging.num_samples \
+                    and batch is not None:
+                sinks.log_text(step, "samples", self.trainer.samples_text(batch))
         if progress is not None:
             name, key = self.trainer.progress_metric
             progress.update(step, {name: metrics.get(key, float("nan")),

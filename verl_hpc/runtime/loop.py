@@ -42,12 +42,15 @@ class RLTrainer(StepCounters):
         self.last_batch: RolloutBatch | None = None  # the leader's whole batch of the latest step
 
     def next_step(self) -> dict[str, float] | None:
-        """Advance one step; returns the leader's metrics, {} on other ranks, None when told to stop."""
+        """Advance one step; the step's metrics (a serving rank: its own part's), None when told to stop."""
         self.step += 1
         reseed(self.cfg.trainer.seed, self.step, self.placement.seed_stream())
         indices = self.sampler.next_indices()
         if not self.placement.trains:
-            return {} if self.placement.serve(self.step, indices, self.timer()) else None
+            timer = self.timer()
+            with timer("step"):
+                serving = self.placement.serve(self.step, indices, timer)
+            return self.placement.serve_metrics(timer) if serving else None
         return self.train_step(indices)
 
     def train_step(self, indices: list[int]) -> dict[str, float] | None:

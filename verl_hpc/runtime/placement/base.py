@@ -21,6 +21,7 @@ import torch
 from verl_hpc.config import RunConfig
 from verl_hpc.data.layout import even_slices, rank_rows
 from verl_hpc.data.rollout_batch import RolloutBatch
+from verl_hpc.metrics import memory_metrics
 from verl_hpc.roles.actor import UpdatePlan
 from verl_hpc.roles.allocator import generate_guarded
 from verl_hpc.roles.forward import batched_logprobs
@@ -101,6 +102,11 @@ class Placement:
     def seed_stream(self) -> int:
         """Which random stream this process draws from at each step (seeded from seed, step, stream)."""
         return self.rank
+
+    def speaker(self) -> tuple[str, int, int] | None:
+        """(role, global rank, group index) when this process writes metrics, else None: trainer
+        rank 0 for the step, each serving group's first rank for its own part."""
+        return ("trainer", 0, 0)
 
     def rows(self) -> list[int]:
         cfg = self.cfg
@@ -233,6 +239,10 @@ class Placement:
     def serve(self, step: int, indices: list[int], timer: Timer) -> bool:
         """A non-trainer rank's part of `step`; False once the trainers said stop."""
         raise NotImplementedError(f"the {self.name} placement has no service ranks")
+
+    def serve_metrics(self, timer: Timer) -> dict[str, float]:
+        """What a serving rank says about its part of a step: its stage seconds and memory."""
+        return {**timer.seconds, **memory_metrics(self.roles.device)}
 
     # --- validation (runtime/validation.py) -----------------------------------------------------
     def validation_rollouts(self, step: int, policy_version: int) -> RolloutBatch:

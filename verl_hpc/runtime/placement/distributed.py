@@ -60,6 +60,14 @@ class DistributedPlacement(Placement):
     def seed_stream(self) -> int:
         return SERVICE_SEED_OFFSET.get(self.ctx.group.name, 0) + self.ctx.rank_in_group
 
+    def speaker(self) -> tuple[str, int, int] | None:
+        ctx = self.ctx
+        if ctx.env.rank == self.leader:
+            return ("trainer", ctx.env.rank, 0)
+        if self.trains or ctx.rank_in_group != 0:
+            return None
+        return (ctx.group.name, ctx.env.rank, [g.name for g in ctx.plan.groups].index(ctx.group.name))
+
     # --- stages whose role may live in another group -------------------------------------------
     def score(self, batch: RolloutBatch, timer: Timer) -> RolloutBatch | None:
         if "reward" in self.clients:

@@ -18,7 +18,6 @@ import torch.distributed as dist
 
 from verl_hpc.data.layout import even_slices
 from verl_hpc.data.rollout_batch import RolloutBatch
-from verl_hpc.metrics import MetricsLogger
 from verl_hpc.roles.weight_sync import (
     STOP_VERSION,
     broadcast_weights,
@@ -74,7 +73,8 @@ class Split(DistributedPlacement):
         self.buffered_for_save = 0
         self.flight_server: Any = None
         self.flight_client: Any = None
-        self.rollout_logger: MetricsLogger | None = None
+        self.sent_bytes = 0    # rollout rank: the Arrow bytes of this step's batch, for serve_metrics
+        self.sent_version = 0  # ... and the policy version that sampled it
         self.connect()
 
     def connect(self) -> None:
@@ -91,9 +91,6 @@ class Split(DistributedPlacement):
         location = self.share_from_leader(location)
         if ctx.is_role("rollout"):
             self.flight_client = RolloutFlightClient(location, token=token, producer_id=f"rollout{ctx.rank_in_group}")
-            if ctx.rank_in_group == 0:
-                self.rollout_logger = MetricsLogger(self.run_dir / "tensorboard" / f"rollout_rank{ctx.env.rank}",
-                                                    self.cfg.logging.tensorboard)
 
     # --- trainer side ------------------------------------------------------------------------------
     def rollouts(self, step: int, indices: list[int], policy_version: int, timer: Timer,
@@ -241,13 +238,24 @@ class Split(DistributedPlacement):
                 self.flight_client.put(batch)
             except Exception:  # the trainer shut its server down: a stop
                 return False
-        if self.cfg.algorithm.filter_groups.enable and not self.serve_rounds(step, rows):
-            return False
-        if self.rollout_logger is not None:
-            synced = sync_metrics(self.last_sync_bytes, timer.seconds.get("timing_s/update_weights", 0.0))
-            self.rollout_logger.log_scalars(step, {**timer.seconds, **synced, "rollout/policy_version":
-                                                   float(self.roles.engine.policy_version)})  # type: ignore[union-attr]
-        return True
+        self.sent_bytes = batch.record_batch.nbytes
+        self.sent_version = self.roles.engine.policy_version  # type: ignore[union-attr]
+        return not self.cfg.algorithm.filter_groups.enable or self.serve_rounds(step, rows)
+
+    def serve_metrics(self, timer: Timer) -> dict[str, float]:
+        """The rollout rank's view: generation and send seconds, the weights it received, the
+        rollout bytes it sent (and at what rate), and which policy version sampled them."""
+        out = super().serve_metrics(timer)
+        if not self.ctx.is_role("rollout"):
+            return out
+        out.update(sync_metrics(self.last_sync_bytes, timer.seconds.get("timing_s/update_weights", 0.0)))
+        send_s = timer.seconds.get("timing_s/send", 0.0)
+        out["perf/rollout_transport_bytes"] = float(self.sent_bytes)
+        out["perf/rollout_transport_gbps"] = self.sent_bytes / send_s / 1e9 if self.sent_bytes and send_s > 0 else 0.0
+        if self.sent_bytes:  # a step restored from the checkpoint sent nothing
+            out["rollout/policy_version"] = float(self.sent_version)
+        self.sent_bytes = 0
+        return out
 
     def serve_rounds(self, step: int, rows: list[int]) -> bool:
         """Dynamic sampling: another round of new prompts as long as the leader asks for one."""
@@ -318,8 +326,6 @@ class Split(DistributedPlacement):
 
     def close(self) -> None:
         super().close()
-        if self.rollout_logger is not None:
-            self.rollout_logger.close()
         if self.flight_client is not None:
             self.flight_client.close()
         if self.flight_server is not None:
