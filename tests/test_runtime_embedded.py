@@ -14,7 +14,8 @@ import yaml
 from tests.conftest import REPO
 from verl_hpc import ConfigError, HybridTrainer
 from verl_hpc.config import load_config
-from verl_hpc.metrics import MetricsLogger, Progress, read_jsonl_metrics
+from verl_hpc.config import LoggingConfig
+from verl_hpc.metrics import Emitter, Progress, open_sinks, read_jsonl_metrics
 from verl_hpc.roles.actor import Actor, UpdatePlan
 
 
@@ -24,6 +25,10 @@ def quick_dict(model_dir: Path, steps: int = 3) -> dict:
     data["trainer"].update(total_steps=steps, batch_size=32)
     data["logging"] = {"progress": "off", "sample_every": 1}
     return data
+
+
+def _emitter(run_dir: Path) -> Emitter:
+    return Emitter(run_dir, "test", "trainer", 0)
 
 
 def test_seed_api_with_model_object_and_reward_callable(tmp_path: Path, tiny_model_dir: Path) -> None:
@@ -133,7 +138,7 @@ def test_multiple_minibatches_and_epochs_use_precomputed_old_logprobs(tmp_path: 
 def test_metrics_logger_writes_tensorboard_and_jsonl(tmp_path: Path) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    logger = MetricsLogger(tmp_path)
+    logger = open_sinks(LoggingConfig(), _emitter(tmp_path), tmp_path)
     for step in (1, 2):
         logger.log_scalars(step, {"critic/score/mean": step / 10, "bad": float("nan")})
     logger.log_text(2, "samples", "hello")
@@ -150,7 +155,7 @@ def test_a_torn_metrics_line_is_dropped_on_resume(tmp_path: Path) -> None:
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1, "a": 1.0}\n{"step": 2, "a": 2.0}\n{"step": 3, "a": 3')
     assert [r["step"] for r in read_jsonl_metrics(path)] == [1, 2]
-    logger = MetricsLogger(tmp_path, tensorboard=False, purge_step=3)  # resuming after step 2
+    logger = open_sinks(LoggingConfig(tensorboard=False), _emitter(tmp_path), tmp_path, purge_step=3)  # after step 2
     logger.log_scalars(3, {"a": 3.5})
     logger.close()
     assert read_jsonl_metrics(path) == [{"step": 1, "a": 1.0}, {"step": 2, "a": 2.0}, {"step": 3, "a": 3.5}]

@@ -49,7 +49,7 @@ DESCRIPTIONS: dict[str, str] = {
     "trainer": "run length, batch size, seed and the optimizers",
     "resources": "per-role devices, strategies and Slurm sizes; same shape as `resource_config.yaml`",
     "checkpoint": "checkpoint cadence, retention and resume",
-    "logging": "TensorBoard, sample tables, progress output and log level",
+    "logging": "metric sinks (TensorBoard, JSONL, Prometheus, wandb, MLflow), sample tables, progress, log level",
     "slurm": "Slurm job settings (used when submitting; `verl-hpc train` ignores them)",
     "run_dir": "output directory (`~`/`$VARS` expand); `--run-dir` wins; unset = `runs/<trainer.run_name>`",
     # model
@@ -166,7 +166,13 @@ DESCRIPTIONS: dict[str, str] = {
     "checkpoint.async": "write checkpoints in the background while training continues",
     "checkpoint.resume": "`auto`: from the run directory's latest checkpoint if any; `never`; or a path",
     # logging
-    "logging.tensorboard": "write TensorBoard event files (`metrics.jsonl` is written either way)",
+    "logging.tensorboard": "false drops `tensorboard` from `logging.sinks` (`metrics.jsonl` is written either way)",
+    "logging.prometheus": "Prometheus exposition ([docs/monitoring.md](monitoring.md))",
+    "logging.wandb": "Weights & Biases, offline by default",
+    "logging.wandb.project": "the wandb project",
+    "logging.wandb.entity": "the wandb entity (team or user); none: wandb's default",
+    "logging.mlflow": "MLflow tracking",
+    "logging.mlflow.experiment": "the MLflow experiment the run's runs go to",
     "logging.log_every": "record metrics every N steps (and at the last step)",
     "logging.sample_every": "every N steps, log a table of prompts, responses and scores to TensorBoard",
     "logging.num_samples": "rows in that sample table; 0 = no samples",

@@ -98,7 +98,7 @@ class DistributedPlacement(Placement):
     def serve(self, step: int, indices: list[int], timer: Timer) -> bool:
         if self.service is None:
             raise RuntimeError(f"group {self.ctx.group.name!r} has nothing to serve")
-        return self.service.serve_step(step)
+        return self.service.serve_step(step, timer)
 
     def serve_validation(self, step: int) -> bool:
         """A reward group scores the validation rows too: one exchange more, after the step's."""

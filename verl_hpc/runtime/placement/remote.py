@@ -24,6 +24,7 @@ from verl_hpc.data.layout import even_slices, rank_rows, row_position
 from verl_hpc.data.rollout_batch import RolloutBatch
 from verl_hpc.roles.actor import UpdatePlan
 from verl_hpc.roles.forward import batched_logprobs, to_device
+from verl_hpc.runtime.placement.base import Timer
 
 if TYPE_CHECKING:
     from verl_hpc.runtime.placement.distributed import DistributedPlacement
@@ -99,16 +100,20 @@ class RoleService:
     def __init__(self, role: str, group: dist.ProcessGroup, placement: DistributedPlacement):
         self.role, self.group, self.placement = role, group, placement
 
-    def serve_step(self, step: int) -> bool:
-        """This role's exchanges of one step (the critic: values, then its update); False on stop."""
-        p = self.placement
+    def serve_step(self, step: int, timer: Timer | None = None) -> bool:
+        """This role's exchanges of one step (the critic: values, then its update); False on stop.
+
+        `timer` gets `wait_<kind>` (for the trainers' rows) and `<kind>` (computing and answering)."""
+        p, timer = self.placement, timer or Timer()
         for kind in ("values", "update") if self.role == "critic" else (self.role,):
             p.heartbeat.enter(f"step {step} {self.role} {kind}")
-            parts = _exchange(self.group, None)
+            with timer(f"wait_{kind}"):
+                parts = _exchange(self.group, None)
             if any(part == STOP for part in parts):
                 return False
-            full = RolloutBatch.concat([RolloutBatch.from_ipc(part) for part in parts if part]).sorted_by_row()
-            _exchange(self.group, self.update(full) if kind == "update" else self.per_row(full))
+            with timer(kind):
+                full = RolloutBatch.concat([RolloutBatch.from_ipc(part) for part in parts if part]).sorted_by_row()
+                _exchange(self.group, self.update(full) if kind == "update" else self.per_row(full))
         return True
 
     def serving_ranks(self) -> int:
