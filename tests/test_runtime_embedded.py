@@ -13,8 +13,7 @@ import yaml
 
 from tests.conftest import REPO
 from verl_hpc import ConfigError, HybridTrainer
-from verl_hpc.config import load_config
-from verl_hpc.config import LoggingConfig
+from verl_hpc.config import LoggingConfig, load_config
 from verl_hpc.metrics import Emitter, Progress, open_sinks, read_jsonl_metrics
 from verl_hpc.roles.actor import Actor, UpdatePlan
 
