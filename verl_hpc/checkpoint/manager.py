@@ -147,6 +147,7 @@ class CheckpointManager:
         self._stager = _ReusedStager() if reuse_staging else None
         self._write_threads = max(1, write_threads)
         self._pending: Future | None = None
+        self.commits: list[dict[str, Any]] = []  # rank 0: step, save_seconds, bytes of each commit, unread
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
 
@@ -296,6 +297,8 @@ class CheckpointManager:
             self._trash(target)
         os.rename(partial, target)
         fsync_path(self.root)
+        self.commits.append({"step": info["step"], "save_seconds": manifest["save_seconds"],
+                             "bytes": manifest["total_bytes"]})
         log.info("checkpoint %s committed (%d bytes)", target, manifest["total_bytes"])
 
     def _prune(self, newest: Path) -> None:

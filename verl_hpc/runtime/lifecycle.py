@@ -97,13 +97,18 @@ class RunLifecycle:
 
     def maybe_save(self, metrics: dict[str, float]) -> None:
         ckpt, step = self.checkpointer, self.trainer.step
-        if ckpt is None or not ckpt.due(step):
+        if ckpt is None:
             return
-        final = step == self.cfg.trainer.total_steps or ckpt.requested
-        ckpt.save(step, self.states(), self.tensor_states(), block=True if final else None,
-                  extra_files=self.placement.extra_files(step))
-        if self.placement.is_leader:
-            metrics["timing_s/save_checkpoint"] = ckpt.save_seconds
+        if ckpt.due(step):
+            final = step == self.cfg.trainer.total_steps or ckpt.requested
+            ckpt.save(step, self.states(), self.tensor_states(), block=True if final else None,
+                      extra_files=self.placement.extra_files(step))
+            if self.placement.is_leader:
+                metrics["timing_s/save_checkpoint"] = ckpt.save_seconds  # the stall: the loop waited this long
+        if self.placement.is_leader and ckpt.manager.commits:  # an async save commits during later steps
+            done = ckpt.manager.commits[-1]
+            ckpt.manager.commits.clear()
+            metrics.update({"perf/checkpoint_save_s": done["save_seconds"], "perf/checkpoint_bytes": done["bytes"]})
 
     # --- the loop around the step --------------------------------------------------------------
     def run(self) -> Outcome:
