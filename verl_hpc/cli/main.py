@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 from verl_hpc import __version__
 from verl_hpc.cli.elastic_cmds import ELASTIC_PARSERS
+from verl_hpc.cli.report_cmds import REPORT_PARSERS
 from verl_hpc.cli.slurm_cmds import SLURM_PARSERS
 from verl_hpc.config import ConfigError
 
@@ -171,7 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"verl-hpc {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_train, _add_config, _add_init_model, _add_ckpt, _add_export, *SLURM_PARSERS, *ELASTIC_PARSERS):
+    for add in (_add_train, _add_config, _add_init_model, _add_ckpt, _add_export, *SLURM_PARSERS, *ELASTIC_PARSERS,
+                *REPORT_PARSERS):
         add(sub)
     return parser
 
