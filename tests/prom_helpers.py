@@ -123,3 +123,24 @@ def pushgateway(state: Path) -> Iterator[str]:
     args = [PUSHGATEWAY, f"--web.listen-address={address}", "--log.level=warn"]
     with serving(args, f"http://{address}/-/ready", state / "pushgateway.log"):
         yield f"http://{address}"
+
+
+@contextmanager
+def pushgateway_if_installed(state: Path) -> Iterator[str | None]:
+    """A Pushgateway, or None where it is not installed: for tests whose main subject is another."""
+    if shutil.which(PUSHGATEWAY) is None:
+        yield None
+        return
+    with pushgateway(state) as url:
+        yield url
+
+
+def pushed(url: str, name: str, **labels: str) -> float | None:
+    """The value of `name` whose labels include `labels` in the Pushgateway's exposition."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(http_get(f"{url}/metrics")):
+        for sample in family.samples:
+            if sample.name == name and labels.items() <= sample.labels.items():
+                return sample.value
+    return None

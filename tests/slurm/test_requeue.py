@@ -95,15 +95,25 @@ def test_preemption_checkpoints_requeues_and_resumes_exactly(slurm_cluster: Slur
 
 
 def test_scontrol_requeue_mid_run_resumes_exactly(slurm_cluster: SlurmCluster, model: Path, tmp_path: Path) -> None:
+    """Also pushes to a Pushgateway (when installed): after the requeue it holds the last step and the restart."""
+    from tests.prom_helpers import pushed, pushgateway_if_installed
+
     expected = reference(tmp_path, model, 60)
     run_dir = tmp_path / "requeued"
-    job = submit(run_dir, model, "trainer.total_steps=60")
-    assert slurm_cluster.wait_for(lambda: steps_done(run_dir) >= 12, timeout=240)
-    slurm_cluster.run("scontrol", "requeue", str(job))  # SIGTERM to every task at once
-    records = finish(slurm_cluster, job)
-    assert {r["JobState"] for r in records} == {"COMPLETED"}, records
-    assert int(records[0]["Restarts"]) >= 1
-    assert stable(run_dir) == expected
+    with pushgateway_if_installed(tmp_path / "pushgateway") as gateway:
+        push = ["logging.sinks=[jsonl,prometheus]", "logging.prometheus.serve=false",
+                f"logging.prometheus.push_url={gateway}"] if gateway else []
+        job = submit(run_dir, model, "trainer.total_steps=60", *push)
+        assert slurm_cluster.wait_for(lambda: steps_done(run_dir) >= 12, timeout=240)
+        slurm_cluster.run("scontrol", "requeue", str(job))  # SIGTERM to every task at once
+        records = finish(slurm_cluster, job)
+        assert {r["JobState"] for r in records} == {"COMPLETED"}, records
+        assert int(records[0]["Restarts"]) >= 1
+        assert stable(run_dir) == expected
+        if gateway:
+            trainer = {"job_id": str(job), "role": "trainer", "rank": "0"}
+            assert pushed(gateway, "verl_hpc_step", **trainer) == rows(run_dir)[-1]["step"] == 60
+            assert pushed(gateway, "verl_hpc_requeues_total", **trainer) >= 1  # from attempts.jsonl
 
 
 def test_ppo_with_every_role_apart_is_a_four_component_hetjob_that_survives_a_requeue(
