@@ -155,15 +155,15 @@ def _panels_system(run: RunData) -> list[Panel]:
                       series(run, rows, "perf/rollout_transport_gbps", f"rollout transport ({name})",
                              rollout_steps=True)]
     bandwidth.append(series(run, run.rows, "perf/rollout_transport_gbps", "rollout transport (trainer)"))
-    saves = series(run, [r for r in run.rows if r.get("timing_s/save_checkpoint", 0.0) > 0],
-                   "timing_s/save_checkpoint", "checkpoint save", "points")
+    saves = [series(run, [r for r in run.rows if r.get(key, 0.0) > 0], key, label, "points")  # 0: no save
+             for key, label in (("timing_s/save_checkpoint", "loop stall"), ("perf/checkpoint_save_s", "commit"))]
     return [
         Panel("Stage seconds per step (stacked)", "seconds",
               [series(run, run.rows, k, k.removeprefix("timing_s/"), "stack") for k in stages]),
         Panel("Throughput", "tokens/s", [series(run, run.rows, "perf/throughput", "tokens/s")]),
         Panel("Memory", "GB", [s for s in memory if s.y] or memory[:1]),
         Panel("Weight sync and rollout transport", "GB/s", [s for s in bandwidth if s.y] or bandwidth[:1]),
-        Panel("Checkpoint save", "seconds", [saves]),
+        Panel("Checkpoint save", "seconds", saves),
     ]
 
 
