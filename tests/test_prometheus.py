@@ -8,6 +8,7 @@ Grafana dashboard in tools/grafana returns data for a CPU run.
 from __future__ import annotations
 
 import json
+import socket
 import time
 from pathlib import Path
 
@@ -107,6 +108,16 @@ def test_serve_mode_publishes_a_file_sd_target_and_withdraws_it(tmp_path: Path) 
     finally:
         sink.close()
     assert not target_file.exists()
+
+
+def test_a_taken_port_fails_the_sink_without_leaving_a_target(tmp_path: Path) -> None:
+    """The factory leaves a sink out when its constructor raises; no target may point at someone else."""
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    with taken, pytest.raises(OSError):
+        PrometheusSink(PrometheusConfig(host="127.0.0.1", port=taken.getsockname()[1]), emitter(tmp_path), None)
+    assert list((tmp_path / "run").glob("prometheus/*.json")) == []
 
 
 def test_push_mode_groups_by_run_role_rank_and_job(tmp_path: Path) -> None:

@@ -120,7 +120,11 @@ class PrometheusSink:
             self.textfile = Path(cfg.textfile_dir).expanduser() / f"verl_hpc_{emitter.job_id}_{emitter.tag}.prom"
             self.textfile.parent.mkdir(parents=True, exist_ok=True)
         if cfg.serve:
-            self._serve()
+            try:
+                self._serve()
+            except BaseException:
+                self.close()  # the port is released even though the factory leaves this sink out
+                raise
 
     def _serve(self) -> None:
         """Start `/metrics`, then publish where it is: a file_sd target under the run directory."""
@@ -132,11 +136,6 @@ class PrometheusSink:
         write_atomic(self.target_file, json.dumps(target, indent=1) + "\n")
         log.info("prometheus: %s serves http://%s/metrics (target file %s)", self.emitter.tag, address,
                  self.target_file)
-
-    @property
-    def url(self) -> str | None:
-        """The `/metrics` URL on this host, or None when not serving."""
-        return None if self.server is None else f"http://127.0.0.1:{self.server.server_port}/metrics"
 
     def log_scalars(self, step: int, metrics: Mapping[str, float]) -> None:
         self.collector.replace(step_samples(step, metrics, self.labels))
