@@ -292,6 +292,18 @@ def test_take_keeps_rows():
     assert taken.take(np.array([1])).column("response_ids").to_pylist() == [[9, 10]]
 
 
+def test_only_keeps_the_named_and_required_columns_and_nulls_the_rest():
+    batch = two_rows().with_columns(score=np.array([1.0, 0.5], dtype=np.float32))
+    sent = batch.only(["ground_truth"])
+    validate(sent.record_batch)
+    assert sent.column("ground_truth").to_pylist() == ["7", None]
+    assert sent.column("response_ids").to_pylist() == batch.column("response_ids").to_pylist()
+    assert sent.column("group_id").to_pylist() == batch.column("group_id").to_pylist()
+    assert sent.column("rollout_logprobs").null_count == 2 and sent.column("score").null_count == 2
+    assert len(sent.to_ipc()) < len(batch.to_ipc())
+    assert RolloutBatch.from_ipc(sent.to_ipc()).column("prompt_ids").to_pylist() == [[5, 6, 7], [8]]
+
+
 def test_concat_keeps_rows():
     a = two_rows()
     b = RolloutBatch.from_generation([[1, 2]], [[3]], [[-1.0]], [7], [9], ["3"], policy_version=4)

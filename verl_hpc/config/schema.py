@@ -273,6 +273,8 @@ class AlgorithmConfig(StrictModel):
 class OptimConfig(StrictModel):
     lr: float = Field(1e-3, gt=0.0)
     betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = Field(1e-8, gt=0.0, description="AdamW's epsilon: a gradient far below it moves its weight by "
+                       "about lr * grad / eps instead of lr")
     weight_decay: float = Field(0.0, ge=0.0)
     grad_clip: float | None = Field(1.0, gt=0.0)
     warmup_steps: int = Field(0, ge=0)

@@ -231,6 +231,14 @@ class RolloutBatch:
                 arrays[name] = value
         return RolloutBatch(pa.RecordBatch.from_arrays([arrays[f.name] for f in SCHEMA], schema=SCHEMA))
 
+    def only(self, columns: Sequence[str]) -> RolloutBatch:
+        """The same rows with every optional column not named emptied (all null): what a role that
+        reads a few columns is sent, so the bytes on the wire are the ones it reads."""
+        keep = set(columns)
+        arrays = [self.record_batch.column(f.name) if not f.nullable or f.name in keep
+                  else pa.nulls(len(self), f.type) for f in SCHEMA]
+        return RolloutBatch(pa.RecordBatch.from_arrays(arrays, schema=SCHEMA), check=False)
+
     def response_lengths(self) -> np.ndarray:
         return _lengths(self.column("response_ids"))
 

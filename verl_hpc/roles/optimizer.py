@@ -20,7 +20,7 @@ from verl_hpc.roles.lora import load_trainable_state, trainable_state
 
 def build_optimizer(params, cfg: OptimConfig, total_steps: int):
     """AdamW and a per-step LR schedule (linear warm-up, then constant or cosine)."""
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
 
     def factor(step: int) -> float:
         if cfg.warmup_steps and step < cfg.warmup_steps:

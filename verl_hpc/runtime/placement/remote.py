@@ -30,6 +30,9 @@ if TYPE_CHECKING:
     from verl_hpc.runtime.placement.distributed import DistributedPlacement
 
 STOP = "stop"
+# The optional columns each role reads (the ids, prompts and responses always travel): the rest
+# stay home. The reward's text fields are the dataset's; the critic's update adds its targets.
+READS = {"reward": ("ground_truth", "data_source", "extra_info"), "ref": (), "critic": ()}
 
 
 def _exchange(group: dist.ProcessGroup, payload: Any) -> list[Any]:
@@ -59,7 +62,7 @@ class RoleClient:
 
     def call(self, batch: RolloutBatch) -> list[Any] | None:
         """Per-row results for this rank's rows, in their order."""
-        _exchange(self.group, batch.to_ipc())
+        _exchange(self.group, batch.only(READS[self.role]).to_ipc())
         answers = _exchange(self.group, None)
         merged: dict[int, Any] = {}
         for part in answers:
@@ -78,7 +81,7 @@ class RoleClient:
 
     def update(self, batch: RolloutBatch, inputs: dict[str, torch.Tensor]) -> dict[str, float]:
         """Critic: the rows' returns and old values to the critic group, which trains; its metrics back."""
-        rows = batch.with_columns(returns=inputs["returns"], values=inputs["values"])
+        rows = batch.with_columns(returns=inputs["returns"], values=inputs["values"]).only(("returns", "values"))
         _exchange(self.group, rows.to_ipc())
         answers = _exchange(self.group, None)
         answer = next(a for a in answers if isinstance(a, dict) and "metrics" in a)
