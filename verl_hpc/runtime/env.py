@@ -14,6 +14,7 @@ allocation rather than our processes; torchrun before Slurm for the same reason.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -30,9 +31,7 @@ from typing import Literal
 
 Scheduler = Literal["local", "slurm", "torchrun"]
 
-# Ports derived from a job id fall in [base, base + PORT_SPAN): wide enough that two jobs
-# sharing a node rarely collide, low enough to stay below the ephemeral range (32768+).
-PORT_SPAN = 20000
+PORT_SPAN = 20000  # ports derived from a job id: [base, base + PORT_SPAN), two jobs on a node rarely collide
 SLURM_PORT_BASE = 29500  # torchrun's default MASTER_PORT; a Slurm job's port is this + job id % PORT_SPAN
 DEBUG_PREFIXES = ("VERL_HPC_", "SLURM_", "MASTER_", "NCCL_", "GLOO_", "TORCHELASTIC_")
 DEBUG_NAMES = ("CUDA_VISIBLE_DEVICES", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
@@ -142,24 +141,17 @@ def port_from_job_id(job_id: str | None, base: int) -> int:
 def free_port(host: str = "127.0.0.1") -> int:
     """A port that nothing listens on now, drawn at random below the kernel's ephemeral range.
 
-    Why not `bind(0)`: the kernel hands out its ephemeral ports to every outgoing connection
-    too (gloo's pairs, Flight and HTTP clients), so a port it just said was free is soon
-    someone's source port; with two test sessions on two cores that race lost often enough
-    to fail CI ("EADDRINUSE" in rank 0's rendezvous). Below the ephemeral range only other
-    listeners compete, and a random draw over ~12k ports makes two pickers rarely meet.
-    Still racy by nature (a listener may appear before the workers bind), which is
-    acceptable for one-machine runs.
+    Why not `bind(0)`: the kernel also hands its ephemeral ports to outgoing connections
+    (gloo pairs, Flight, HTTP clients), so a port it called free was soon someone's source port
+    (CI: EADDRINUSE at rendezvous). Below that range only listeners compete; still racy.
     """
     top = _ephemeral_start()
     for _ in range(64):
         port = _PORT_DRAW.randrange(max(1024, top - 12000), top)
         if SLURM_PORT_BASE <= port < SLURM_PORT_BASE + 1000:  # where the first Slurm jobs' ports fall
             continue
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            try:
-                sock.bind((host, port))
-            except OSError:
-                continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock, contextlib.suppress(OSError):
+            sock.bind((host, port))
             return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:  # a crowded range: let the kernel pick
         sock.bind((host, 0))
