@@ -96,10 +96,13 @@ def test_textfile_mode_writes_the_last_step_for_node_exporter(tmp_path: Path) ->
 
 
 def test_serve_mode_publishes_a_file_sd_target_and_withdraws_it(tmp_path: Path) -> None:
-    sink = PrometheusSink(PrometheusConfig(host="127.0.0.1", port=0), emitter(tmp_path), None)
+    shared = tmp_path / "sd"  # logging.prometheus.sd_dir: one folder for every run's targets
+    sink = PrometheusSink(PrometheusConfig(host="127.0.0.1", port=0, sd_dir=str(shared)), emitter(tmp_path), None)
     try:
         target_file = tmp_path / "run" / "prometheus" / "trainer_rank0.json"
         [group] = json.loads(target_file.read_text())
+        assert sorted(p.name for p in shared.iterdir()) == [f"{emitter(tmp_path).run_name}_trainer_rank0.json"]
+        assert json.loads(next(shared.iterdir()).read_text()) == [group]
         assert group["targets"] == [f"127.0.0.1:{sink.server.server_port}"]
         sink.log_scalars(7, {"actor/entropy": 3.25})
         got = parse(http_get(group["targets"][0].join(["http://", "/metrics"])))
@@ -107,7 +110,7 @@ def test_serve_mode_publishes_a_file_sd_target_and_withdraws_it(tmp_path: Path) 
         assert got[("verl_hpc_step", tuple(sorted(LABELS.items())))] == 7.0
     finally:
         sink.close()
-    assert not target_file.exists()
+    assert not target_file.exists() and list(shared.iterdir()) == []
 
 
 def test_a_taken_port_fails_the_sink_without_leaving_a_target(tmp_path: Path) -> None:

@@ -30,6 +30,8 @@ class PrometheusConfig(StrictModel):
     host: str = Field("0.0.0.0", description="the interface the `/metrics` server listens on")
     port: int = Field(0, ge=0, le=65535, description="0: a free port; N: trainer rank 0 on N, the k-th other role "
                       "group's rank 0 on N + k")
+    sd_dir: str | None = Field(None, description="also write the file_sd target as <dir>/<run>_<role>_rank<N>.json: "
+                               "one Prometheus glob (<dir>/*.json) finds every run (file_sd globs only a file name)")
     push_url: str | None = Field(None, description="a Pushgateway (http://host:9091) to push to after every step "
                                  "(for compute nodes Prometheus cannot scrape)")
     textfile_dir: str | None = Field(None, description="write <dir>/verl_hpc_<job>_<role>_rank<N>.prom after every "

@@ -114,7 +114,7 @@ class PrometheusSink:
         self.registry.register(self.collector)  # type: ignore[arg-type]
         self.server: WSGIServer | None = None
         self.thread: threading.Thread | None = None
-        self.target_file: Path | None = None
+        self.target_files: list[Path] = []
         self.textfile: Path | None = None
         if cfg.textfile_dir:
             self.textfile = Path(cfg.textfile_dir).expanduser() / f"verl_hpc_{emitter.job_id}_{emitter.tag}.prom"
@@ -131,11 +131,15 @@ class PrometheusSink:
         self.server, self.thread = start_http_server(self.cfg.port, self.cfg.host, self.registry)
         port = self.server.server_port
         address = f"{advertised_host(self.cfg.host)}:{port}"
-        self.target_file = self.emitter.run_dir / "prometheus" / f"{self.emitter.tag}.json"
+        self.target_files = [self.emitter.run_dir / "prometheus" / f"{self.emitter.tag}.json"]
+        if self.cfg.sd_dir:  # file_sd globs a file name only: one shared folder finds every run
+            self.target_files.append(Path(self.cfg.sd_dir).expanduser()
+                                     / f"{self.emitter.run_name}_{self.emitter.tag}.json")
         target = [{"targets": [address], "labels": {"run_dir": str(self.emitter.run_dir)}}]
-        write_atomic(self.target_file, json.dumps(target, indent=1) + "\n")
+        for path in self.target_files:
+            write_atomic(path, json.dumps(target, indent=1) + "\n")
         log.info("prometheus: %s serves http://%s/metrics (target file %s)", self.emitter.tag, address,
-                 self.target_file)
+                 ", ".join(map(str, self.target_files)))
 
     def log_scalars(self, step: int, metrics: Mapping[str, float]) -> None:
         self.collector.replace(step_samples(step, metrics, self.labels))
@@ -160,6 +164,6 @@ class PrometheusSink:
         if self.thread is not None:
             self.thread.join(timeout=5)
             self.thread = None
-        if self.target_file is not None:
-            self.target_file.unlink(missing_ok=True)
-            self.target_file = None
+        for path in self.target_files:
+            path.unlink(missing_ok=True)
+        self.target_files = []
