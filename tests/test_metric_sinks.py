@@ -18,7 +18,7 @@ from tests import wandb_records
 from verl_hpc.config.observability import MlflowConfig, WandbConfig
 from verl_hpc.metrics.mlflow_sink import MlflowSink, mlflow_key
 from verl_hpc.metrics.sink import Emitter, MetricSinks
-from verl_hpc.metrics.wandb_sink import WandbSink, wandb_run_id
+from verl_hpc.metrics.wandb_sink import WandbSink
 
 # find_spec, not importorskip: importing both costs seconds that only the tests which use them should pay
 pytestmark = pytest.mark.skipif(not all(importlib.util.find_spec(m) for m in ("wandb", "mlflow")),
@@ -56,9 +56,9 @@ def test_mlflow_keys_are_kept_or_made_acceptable() -> None:
 def test_wandb_run_id_is_stable_per_run_dir_and_emitter(tmp_path: Path) -> None:
     a = Emitter(tmp_path / "run", "x", "trainer", 0)
     same_dir = Emitter(tmp_path / "run" / ".." / "run", "other-name", "trainer", 0)
-    assert wandb_run_id(a) == wandb_run_id(same_dir)
-    assert wandb_run_id(a) != wandb_run_id(Emitter(tmp_path / "run", "x", "rollout", 1))
-    assert wandb_run_id(a) != wandb_run_id(Emitter(tmp_path / "run2", "x", "trainer", 0))
+    assert a.key == same_dir.key
+    assert a.key != Emitter(tmp_path / "run", "x", "rollout", 1).key
+    assert a.key != Emitter(tmp_path / "run2", "x", "trainer", 0).key
 
 
 def test_wandb_offline_logs_steps_and_a_resume_appends_to_the_same_run(emitter: Emitter) -> None:
@@ -66,7 +66,7 @@ def test_wandb_offline_logs_steps_and_a_resume_appends_to_the_same_run(emitter: 
     _drive(lambda: WandbSink(cfg, emitter), [1, 2, 3], attempt=1)
     # resumed from step 2's checkpoint: step 3 is logged again
     _drive(lambda: WandbSink(cfg, emitter, purge_step=3), [3, 4], attempt=2)
-    run_id = wandb_run_id(emitter)
+    run_id = emitter.key
     files = wandb_records.offline_runs(emitter.run_dir, run_id)
     assert len(files) == 2, "one offline directory per attempt, both for the same run id"
     for path in files:

@@ -23,8 +23,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from verl_hpc.metrics.wandb_sink import wandb_run_id as run_key
-
 if TYPE_CHECKING:  # metrics is the lowest layer: it reads the config's objects, never imports them
     from verl_hpc.config.observability import MlflowConfig
     from verl_hpc.metrics.sink import Emitter
@@ -89,7 +87,7 @@ class MlflowSink:
 
     def _run(self, emitter: Emitter) -> str:
         """This emitter's run: the one an earlier attempt started, else a new one."""
-        key = run_key(emitter)
+        key = emitter.key
         runs = self.client.search_runs([self.experiment_id], filter_string=f"tags.`{RUN_KEY_TAG}` = '{key}'",
                                        max_results=1, order_by=["attributes.start_time DESC"])
         if runs:

@@ -11,6 +11,7 @@ to open is an error.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import math
 import os
@@ -35,6 +36,13 @@ class Emitter:
     @property
     def tag(self) -> str:
         return f"{self.role}_rank{self.rank}"
+
+    @property
+    def key(self) -> str:
+        """12 hex characters of sha256(resolved run dir + tag): the same for every attempt of this
+        process's part of the run, different for every other; wandb's run id, MLflow's lookup tag."""
+        text = f"{Path(self.run_dir).resolve()}\0{self.tag}".encode()
+        return hashlib.sha256(text).hexdigest()[:12]
 
     @staticmethod
     def job_of_env() -> str:

@@ -20,7 +20,6 @@ warning: there the first attempt's values are the ones kept. metrics.jsonl and T
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 from collections.abc import Mapping
@@ -32,12 +31,6 @@ if TYPE_CHECKING:  # metrics is the lowest layer: it reads the config's objects,
     from verl_hpc.metrics.sink import Emitter
 
 log = logging.getLogger("verl_hpc.metrics")
-
-
-def wandb_run_id(emitter: Emitter) -> str:
-    """12 hex characters of sha256(resolved run_dir + tag): stable across attempts, unique per process."""
-    key = f"{Path(emitter.run_dir).resolve()}\0{emitter.tag}".encode()
-    return hashlib.sha256(key).hexdigest()[:12]
 
 
 class WandbSink:
@@ -52,7 +45,7 @@ class WandbSink:
 
         root = Path(cfg.dir) if cfg.dir else Path(emitter.run_dir)
         root.mkdir(parents=True, exist_ok=True)  # wandb would create it too, with a less plain error
-        self.run_id = wandb_run_id(emitter)
+        self.run_id = emitter.key
         self.purge_step = purge_step
         self._run: Any = wandb.init(
             project=cfg.project, entity=cfg.entity, mode=cfg.mode, dir=str(root), id=self.run_id,
