@@ -18,6 +18,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 BENCHMARKS = {"checkpoint": "bench.checkpoint", "transport": "bench.transport",
               "weight_sync": "bench.weight_sync", "step": "bench.step",
@@ -29,17 +30,20 @@ BENCHMARKS = {"checkpoint": "bench.checkpoint", "transport": "bench.transport",
 # Not in `all`: it needs the local Slurm cluster and minutes of its time (`preemption --slurm`).
 OPT_IN = {"preemption_slurm": "bench.preemption_slurm",
           "versions": "bench.versions",  # also not in `all`: a git worktree of another revision, minutes
-          "step_smollm2": "bench.step_smollm2"}  # and the real-model step: a built model, TRL's venv, minutes
+          "step_smollm2": "bench.step_smollm2",  # and the real-model step: a built model, TRL's venv, minutes
+          "soak": "bench.soak"}  # and the leak soak: thousands of steps, minutes (CI: tests/test_soak.py)
 # `--model NAME` picks a benchmark's real-model variant: (benchmark, model) -> the module's name above.
 MODEL_VARIANTS = {("step", "smollm2"): "step_smollm2"}
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def run_one(name: str, quick: bool, scratch: str | None, results: Path = RESULTS) -> Path:
-    """Run benchmark `name`, print its table, write its JSON; returns the JSON's path."""
+def run_one(name: str, quick: bool, scratch: str | None, results: Path = RESULTS, **options: Any) -> Path:
+    """Run benchmark `name`, print its table, write its JSON; returns the JSON's path.
+
+    `options`: a benchmark's own keyword arguments (soak's `steps`)."""
     module = importlib.import_module({**BENCHMARKS, **OPT_IN}[name])
     start = time.perf_counter()
-    result = module.run(quick=quick, scratch=scratch)
+    result = module.run(quick=quick, scratch=scratch, **options)
     result["benchmark"], result["quick"] = name, quick
     result["wall_s"] = time.perf_counter() - start
     result["machine"] = {"host": platform.node(), "python": platform.python_version(),
@@ -65,7 +69,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="preemption only: a real preemption on the local Slurm cluster (preemption_slurm)")
     parser.add_argument("--model", choices=sorted({m for _, m in MODEL_VARIANTS}),
                         help="step only: the same benchmark on a real model (step --model smollm2)")
+    parser.add_argument("--steps", type=int, help="soak only: steps per config (default 5000, --quick 300)")
     args = parser.parse_args(argv)
+    if args.steps is not None and args.name != "soak":
+        parser.error("--steps goes with the soak benchmark only")
     if args.slurm:
         if args.name != "preemption":
             parser.error("--slurm goes with the preemption benchmark only")
@@ -76,7 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                          + ", ".join(b for b, m in MODEL_VARIANTS if m == args.model))
         args.name = MODEL_VARIANTS[(args.name, args.model)]
     for name in BENCHMARKS if args.name == "all" else [args.name]:
-        run_one(name, args.quick, args.dir, args.out)
+        run_one(name, args.quick, args.dir, args.out, **({"steps": args.steps} if args.steps else {}))
     return 0
 
 
