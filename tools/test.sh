@@ -6,9 +6,10 @@
 #
 # With no arguments two pytest sessions run side by side, each with a base temp dir of its
 # own: the Slurm, reliability, resume and multi-process runs (tests/slurm, tests/reliability,
-# tests/test_resume.py, tests/test_dist_e2e.py, tests/test_facade.py, tests/test_lora.py: a
-# local cluster, jobs that mostly wait on the scheduler, runs killed and restarted, split
-# runs through the CLI and the Python API) in one, everything else in the other. The split
+# tests/test_resume.py, tests/test_dist_e2e.py, tests/test_facade.py, tests/test_lora.py,
+# tests/test_prometheus.py, tests/test_soak.py: a local cluster, jobs that mostly wait on the
+# scheduler, runs killed and restarted, split runs through the CLI and the Python API, real
+# Prometheus servers scraping a run, the leak soak) in one, everything else in the other. The split
 # balances their wall times (main 76 min, second 66 min on 2 busy cores on 1 Dec, before the
 # facade and LoRA tests moved over); the second session's log follows the main run's.
 set -euo pipefail
@@ -28,7 +29,7 @@ fi
 scratch="${TMPDIR:-/tmp}/verl-hpc-tests"
 mkdir -p "$scratch"
 beside=(tests/slurm tests/reliability tests/test_resume.py tests/test_dist_e2e.py tests/test_facade.py
-        tests/test_lora.py)
+        tests/test_lora.py tests/test_prometheus.py tests/test_soak.py)
 beside_log="$scratch/slurm-reliability-tests.log"
 .venv/bin/python -m pytest "${beside[@]}" --basetemp="$scratch/beside" >"$beside_log" 2>&1 &
 beside_pid=$!
