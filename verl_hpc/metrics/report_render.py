@@ -69,7 +69,7 @@ def _draw_panel(ax: Any, panel: Panel, xlabel: str) -> None:
     if not panel.has_data:
         ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes, color="gray", fontsize=14)
     else:
-        _draw_stack(ax, [s for s in panel.series if s.style == "stack" and s.y])
+        _draw_stack(ax, [s for s in panel.series if s.style == "stack" and s.y], [m.x for m in panel.markers])
         for s in panel.series:
             if s.y and s.style == "line":
                 xs, ys = _broken_at(s, [m.x for m in panel.markers])
@@ -90,13 +90,24 @@ def _broken_at(s: Series, cuts: list[float]) -> tuple[list[float], list[float]]:
     return [p[0] for p in points], [p[1] for p in points]
 
 
-def _draw_stack(ax: Any, stack: list[Series]) -> None:
-    """Stage seconds stacked on the union of their x values (a stage absent at a step counts 0)."""
+def _draw_stack(ax: Any, stack: list[Series], cuts: list[float]) -> None:
+    """Stage seconds stacked on the union of their x values (a stage absent at a step counts 0),
+    one stack per stretch between restarts: no area drawn across the time the run was down."""
     if not stack:
         return
+    import matplotlib
+
+    colors = [c["color"] for c in matplotlib.rcParams["axes.prop_cycle"]]
     xs = sorted({x for s in stack for x in s.x})
-    ys = [[dict(zip(s.x, s.y, strict=True)).get(x, 0.0) for x in xs] for s in stack]
-    ax.stackplot(xs, ys, labels=[s.label for s in stack], alpha=0.8)
+    edges = [-math.inf, *sorted(cuts), math.inf]
+    labels: list[str] = [s.label for s in stack]  # on the first stretch only: one legend entry per stage
+    for lo, hi in zip(edges, edges[1:], strict=False):
+        part = [x for x in xs if lo <= x < hi]
+        if part:
+            ys = [[dict(zip(s.x, s.y, strict=True)).get(x, 0.0) for x in part] for s in stack]
+            ax.stackplot(part, ys, labels=labels, alpha=0.8,
+                         colors=[colors[i % len(colors)] for i in range(len(stack))])
+            labels = []
 
 
 def write_html(png: Path, summary: str, path: str | Path, title: str) -> Path:
