@@ -54,3 +54,12 @@ def test_quick_soak_does_not_leak(tmp_path: Path) -> None:
         assert met["fds_stable"] and met["threads_stable"] and met["children_stable"], (case["name"], case["ranges"])
         assert case["rss_slope_mb_per_1k_steps"] < CI_SLOPE_MB, (case["name"], case["rss_mb"])
     assert result["cases"][1]["ranges"]["children"]["min"] >= 4  # split: the workers were sampled too
+
+
+def test_steps_option_goes_with_soak_only(capsys: pytest.CaptureFixture[str]) -> None:
+    from bench.__main__ import BENCHMARKS, main
+
+    assert "soak" not in BENCHMARKS  # opt-in: minutes, not part of `python -m bench all --quick` in CI
+    with pytest.raises(SystemExit) as stop:
+        main(["step", "--steps", "5"])
+    assert stop.value.code == 2 and "--steps goes with the soak benchmark only" in capsys.readouterr().err
