@@ -28,7 +28,8 @@ LABELS = {"job_id": "77", "run": "r1", "role": "trainer", "rank": "0"}
 BASE = tuple(LABELS.items())
 STEP = {"timing_s/gen": 1.5, "memory/rss_gb": 0.5, "memory/max_allocated_gb": 2.0, "perf/throughput": 900.0,
         "perf/weight_sync_gbps": 0.25, "perf/weight_sync_bytes": 1000.0, "perf/rollout_transport_gbps": 1.0,
-        "critic/score/mean": 0.75, "val-core/arith/acc@1": 0.5, "perf/wall_clock": 1.7e9, "step": 3.0}
+        "critic/score/mean": 0.75, "val-core/arith/acc@1": 0.5, "perf/wall_clock": 1.7e9, "step": 3.0,
+        "perf/checkpoint_save_s": 2.5}
 
 
 def samples_by_key(step: int, metrics: dict) -> dict[tuple, tuple[str, float]]:
@@ -49,6 +50,7 @@ def test_a_steps_keys_map_to_prometheus_families_in_base_units() -> None:
         ("verl_hpc_transfer_bytes", (*BASE, ("path", "weight_sync"))): ("gauge", 1000.0),
         ("verl_hpc_critic_score_mean", BASE): ("gauge", 0.75),
         ("verl_hpc_val_core_arith_acc_1", BASE): ("gauge", 0.5),
+        ("verl_hpc_checkpoint_save_seconds", BASE): ("gauge", 2.5),
     }  # perf/wall_clock (a timestamp) and a `step` key (it has its own families) are not exported
 
 

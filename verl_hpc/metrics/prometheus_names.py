@@ -75,6 +75,8 @@ def _typed(key: str, value: float) -> tuple[str, tuple[tuple[str, str], ...], fl
         return "verl_hpc_transfer_bytes_per_second", (("path", rest[:-5]),), value * GB
     if group == "perf" and rest.endswith("_bytes"):
         return "verl_hpc_transfer_bytes", (("path", rest[:-6]),), value
+    if group == "perf" and rest.endswith("_s"):  # perf/checkpoint_save_s -> verl_hpc_checkpoint_save_seconds
+        return f"{sanitize(rest[:-2])}_seconds", (), value
     return None
 
 
@@ -94,7 +96,7 @@ def step_samples(step: int, metrics: Mapping[str, float], labels: Mapping[str, s
         typed = _typed(key, float(value))
         if typed is not None:
             name, extra, number = typed
-            sample = Sample(name, "gauge", base + extra, number, HELP[name])
+            sample = Sample(name, "gauge", base + extra, number, HELP.get(name, f"verl metric {key}"))
         else:
             name = sanitize(key)
             if name in TYPED:
