@@ -78,6 +78,17 @@ scrape_configs:
         refresh_interval: 2s
 """
 
+# A Pushgateway is scraped with honor_labels: the pushed job_id/run/role/rank labels stay as pushed.
+GATEWAY_CONFIG = """global:
+  scrape_interval: 1s
+  scrape_timeout: 1s
+scrape_configs:
+  - job_name: pushgateway
+    honor_labels: true
+    static_configs:
+      - targets: ['{target}']
+"""
+
 
 class Prometheus:
     """A running Prometheus and its HTTP API."""
@@ -99,14 +110,15 @@ class Prometheus:
 
 
 @contextmanager
-def prometheus(state: Path, run_dir: Path) -> Iterator[Prometheus]:
-    """Prometheus on a free port, scraping every 1 s the targets in `<run_dir>/prometheus/*.json`.
-
-    file_sd allows a wildcard in the last path element only, hence one run directory.
-    """
+def prometheus(state: Path, run_dir: Path | None = None, gateway: str | None = None) -> Iterator[Prometheus]:
+    """Prometheus on a free port, scraping every 1 s the targets in `<run_dir>/prometheus/*.json`
+    (file_sd allows a wildcard in the last path element only, hence one run directory), or the
+    Pushgateway at `gateway`."""
     need(PROMETHEUS)
     state.mkdir(parents=True, exist_ok=True)
-    (state / "prometheus.yml").write_text(PROM_CONFIG.format(glob=run_dir / 'prometheus' / '*.json'))
+    config = GATEWAY_CONFIG.format(target=gateway.split("://", 1)[-1]) if gateway else \
+        PROM_CONFIG.format(glob=Path(run_dir or ".") / 'prometheus' / '*.json')
+    (state / "prometheus.yml").write_text(config)
     address = f"127.0.0.1:{free_port()}"
     args = [PROMETHEUS, f"--config.file={state / 'prometheus.yml'}", f"--storage.tsdb.path={state / 'data'}",
             f"--web.listen-address={address}", "--log.level=warn"]

@@ -114,6 +114,25 @@ def test_scontrol_requeue_mid_run_resumes_exactly(slurm_cluster: SlurmCluster, m
             trainer = {"job_id": str(job), "role": "trainer", "rank": "0"}
             assert pushed(gateway, "verl_hpc_step", **trainer) == rows(run_dir)[-1]["step"] == 60
             assert pushed(gateway, "verl_hpc_requeues_total", **trainer) >= 1  # from attempts.jsonl
+            assert_promql_through_the_gateway(tmp_path / "prometheus", gateway, job, rows(run_dir)[-1])
+
+
+def assert_promql_through_the_gateway(state: Path, gateway: str, job: int, last: dict) -> None:
+    """A real Prometheus scraping the gateway answers PromQL with the run's last step, as metrics.jsonl."""
+    import time
+
+    from tests.prom_helpers import prometheus
+
+    where = f'job_id="{job}",role="trainer"'
+    with prometheus(state, gateway=gateway) as prom:
+        deadline = time.monotonic() + 60
+        while not prom.query(f"verl_hpc_step{{{where}}}") and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert float(prom.query(f"verl_hpc_steps_total{{{where}}}")[0]["value"][1]) == last["step"]
+        for stage in ("update_actor", "wait_rollout", "step"):
+            [got] = prom.query(f'verl_hpc_step_seconds{{{where},stage="{stage}"}}')
+            assert float(got["value"][1]) == pytest.approx(last[f"timing_s/{stage}"], rel=1e-9), stage
+        assert float(prom.query(f"verl_hpc_requeues_total{{{where}}}")[0]["value"][1]) >= 1
 
 
 def test_ppo_with_every_role_apart_is_a_four_component_hetjob_that_survives_a_requeue(
