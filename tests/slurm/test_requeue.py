@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -110,6 +111,11 @@ def test_scontrol_requeue_mid_run_resumes_exactly(slurm_cluster: SlurmCluster, m
         assert {r["JobState"] for r in records} == {"COMPLETED"}, records
         assert int(records[0]["Restarts"]) >= 1
         assert stable(run_dir) == expected
+        report = cli("report", str(job))  # by job id: the requeued job's run dir, one restart marked
+        assert report.returncode == 0, report.stderr
+        attempts = re.search(r"attempts:\s+(\d+) \((\d+) requeues/restarts\); last: finished", report.stdout)
+        assert attempts and int(attempts[1]) >= 2 and int(attempts[2]) >= 1, report.stdout
+        assert (run_dir / "report" / "report.png").stat().st_size > 30_000
         if gateway:
             trainer = {"job_id": str(job), "role": "trainer", "rank": "0"}
             assert pushed(gateway, "verl_hpc_step", **trainer) == rows(run_dir)[-1]["step"] == 60
