@@ -12,13 +12,11 @@ import sys
 import psutil
 import torch
 
-_PROCESS = psutil.Process()
-
 
 def memory_metrics(device: torch.device) -> dict[str, float]:
     peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     peak_bytes = peak_kb if sys.platform == "darwin" else peak_kb * 1024
-    out = {"memory/peak_rss_gb": peak_bytes / 2**30, "memory/rss_gb": _PROCESS.memory_info().rss / 2**30}
+    out = {"memory/peak_rss_gb": peak_bytes / 2**30, "memory/rss_gb": psutil.Process().memory_info().rss / 2**30}
     if device.type == "cuda" and torch.cuda.is_available():
         out["memory/allocated_gb"] = torch.cuda.memory_allocated(device) / 2**30
         out["memory/reserved_gb"] = torch.cuda.memory_reserved(device) / 2**30
