@@ -116,11 +116,22 @@ def test_scontrol_requeue_mid_run_resumes_exactly(slurm_cluster: SlurmCluster, m
         attempts = re.search(r"attempts:\s+(\d+) \((\d+) requeues/restarts\); last: finished", report.stdout)
         assert attempts and int(attempts[1]) >= 2 and int(attempts[2]) >= 1, report.stdout
         assert (run_dir / "report" / "report.png").stat().st_size > 30_000
+        assert_every_report_panel_has_data(run_dir)
         if gateway:
             trainer = {"job_id": str(job), "role": "trainer", "rank": "0"}
             assert pushed(gateway, "verl_hpc_step", **trainer) == rows(run_dir)[-1]["step"] == 60
             assert pushed(gateway, "verl_hpc_requeues_total", **trainer) >= 1  # from attempts.jsonl
             assert_promql_through_the_gateway(tmp_path / "prometheus", gateway, job, rows(run_dir)[-1])
+
+
+def assert_every_report_panel_has_data(run_dir: Path) -> None:
+    """A split run requeued under Slurm fills every panel, bandwidth and checkpoints included,
+    and each panel marks the restart."""
+    from verl_hpc.metrics.report import report_panels
+
+    panels = report_panels(run_dir)
+    assert [p.title for p in panels if not p.has_data] == []
+    assert all(any(m.label.startswith("restart 1 ") for m in p.markers) for p in panels)
 
 
 def assert_promql_through_the_gateway(state: Path, gateway: str, job: int, last: dict) -> None:
