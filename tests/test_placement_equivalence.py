@@ -62,13 +62,14 @@ def base_config(model_dir: Path, algorithm: dict[str, Any], reward: dict[str, An
         "algorithm": {"sampling": {"n": 4, "max_new_tokens": 4}, "kl": {"estimator": "k3", "coef": 0.1},
                       "ppo_epochs": 2, "mini_batch_size": 8, "entropy_coef": 0.01, **algorithm},
         "trainer": {"total_steps": steps, "batch_size": 16, "seed": 0, "torch_threads": 1,
-                    # eps 1e-6, not AdamW's 1e-8: a weight whose gradient is pure rounding noise (~1e-10,
-                    # a 2-layer model has such directions) gets m/sqrt(v) of order one from the default,
-                    # i.e. steps of random sign; one rank's matmul and two ranks' reduce-scatter round
-                    # differently, so that noise differed by 1.3e-5 after 12 steps on one o_proj element.
-                    # With eps far above the noise it moves by lr * noise / eps, and the comparison below
-                    # stays about the placement, not about how AdamW amplifies rounding.
-                    "actor_optim": {"lr": 1e-3, "eps": 1e-6}, "critic_optim": {"lr": 1e-3, "eps": 1e-6}},
+                    # AdamW moves a weight by lr * m / (sqrt(v) + eps): a gradient error d moves it by up
+                    # to lr / eps * d. With the default eps (1e-8) that is 1e5 * d, and a 2-layer model has
+                    # weights whose gradient is mostly rounding (~1e-10): one rank's matmul and two ranks'
+                    # reduce-scatter round differently, and such a weight ended 1.3e-5 (GRPO) or, at eps
+                    # 1e-6, 6.5e-5 (PPO) apart after 12 steps while every loss agreed to 1e-6. eps = lr
+                    # bounds the amplification by 1, so the final weights compare the placements, not how
+                    # far AdamW magnifies the last bit of a near-zero gradient.
+                    "actor_optim": {"lr": 1e-3, "eps": 1e-3}, "critic_optim": {"lr": 1e-3, "eps": 1e-3}},
         "resources": {"actor": {"device_ids": [0]}, "placement": "colocated", "timeout_seconds": 120},
         "logging": {"progress": "off", "num_samples": 0},
     }
