@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import socket
 import threading
 from collections.abc import Iterator, Mapping
@@ -24,6 +23,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from verl_hpc.metrics.prometheus_names import Sample, step_samples, summary_samples
 from verl_hpc.metrics.sink import Emitter
+from verl_hpc.utils.fs import write_atomic
 
 if TYPE_CHECKING:  # metrics is the lowest layer: it reads the config's objects, never imports them
     from wsgiref.simple_server import WSGIServer
@@ -90,14 +90,6 @@ def advertised_host(host: str) -> str:
     except OSError:
         return "127.0.0.1"
     return name
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Prometheus re-reads file_sd files when they change: it must never read half of one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 class PrometheusSink:

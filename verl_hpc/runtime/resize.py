@@ -30,6 +30,7 @@ import yaml
 
 from verl_hpc.config import ROLE_NAMES, ConfigError, RunConfig, dump_config, load_config, read_yaml
 from verl_hpc.config.placement import plan_for_config
+from verl_hpc.utils.fs import write_atomic
 from verl_hpc.utils.logging import get_logger
 
 log = get_logger("resize")
@@ -43,13 +44,6 @@ RESIZE_REASON = "resize"  # what DistributedTrainer.train() returns when it stop
 # algorithm mid-run, which a resize must not do silently.
 RESIZABLE_FIELDS = ("device_ids", "device_type", "strategy", "nodes", "tasks_per_node", "gpus_per_node",
                     "cpus_per_task", "mem", "partition")
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Readers (the trainer leader polls every step) see the old file or the new one, never half."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def normalize(items: list[str]) -> list[str]:

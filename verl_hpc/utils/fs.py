@@ -1,4 +1,4 @@
-"""Filesystem moves that never leave a half-written directory where users look."""
+"""Filesystem writes and moves that never leave a half-written file or directory where readers look."""
 
 from __future__ import annotations
 
@@ -21,3 +21,12 @@ def replace_dir(staging: Path, out_dir: Path) -> None:
         shutil.rmtree(previous, ignore_errors=True)
     else:
         os.replace(staging, out_dir)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Readers polling `path` (the trainer leader reading a resize request, Prometheus re-reading a
+    file_sd target) see the old file or the new one, never half of one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
