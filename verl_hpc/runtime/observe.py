@@ -27,10 +27,6 @@ class RunObserver:
         self.sinks: MetricSinks | None = None
         self.attempt: Attempt | None = None
 
-    @property
-    def is_trainer(self) -> bool:
-        return self.speaker is not None and self.speaker[0] == "trainer"
-
     def log_dir(self) -> Path:
         """The trainer's files in tensorboard/, a serving group's in tensorboard/<role>_rank<N>/."""
         role, rank, _ = self.speaker  # type: ignore[misc]
