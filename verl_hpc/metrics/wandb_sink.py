@@ -87,4 +87,17 @@ class WandbSink:
         """Nothing to do: wandb's service writes the offline file as records arrive."""
 
     def close(self) -> None:
+        """Finish the run, then make its offline file whole before returning.
+
+        Why the teardown: `finish()` returns once wandb's service has the exit record, but
+        the service may still hold the run file's last records in its write buffer (CI
+        read a file of only its 7-byte header right after `finish()`). Shutting the
+        service down flushes and closes every file. It is done only when no other wandb
+        run is active in this process, since teardown would also finish a user's own run;
+        then the next sink's `wandb.init` starts a fresh service (about a second).
+        """
+        import wandb
+
         self._run.finish()
+        if wandb.run is None:
+            wandb.teardown()
