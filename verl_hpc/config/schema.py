@@ -57,7 +57,8 @@ class ModelConfig(StrictModel):
         LOGPROB_CHUNK_TOKENS, ge=0, description="log-probs and entropies are computed this many tokens at a time "
         "from the last hidden states, and the logits recomputed in backward, so the `[tokens, vocab]` logits "
         "never exist for more than a chunk (1024 tokens x 49k vocab: 0.2 GB, against 1.2 GB for a SmolLM2 "
-        "batch whole); a micro-batch within one chunk, or 0, computes its logits whole")
+        "batch whole); a micro-batch within one chunk, a model whose vocabulary is no wider than its "
+        "hidden size, or 0, computes its logits whole")
     gradient_checkpointing: bool = Field(
         False, description="recompute each decoder layer's activations in backward (actor and critic): "
         "activation memory of one layer instead of all, for about one more forward per update")

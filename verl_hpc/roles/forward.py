@@ -79,17 +79,21 @@ def response_logprobs(model: torch.nn.Module, inputs: dict[str, torch.Tensor], t
     """
     resp_len = inputs["response_mask"].shape[1]
     labels = inputs["input_ids"][:, -resp_len:]
-    # Within one chunk the whole path is within the bound already, and keeps the numbers of
-    # every earlier run bit for bit (a tiny model's whole batch is one chunk).
     packed = pack(inputs) if remove_padding else None
-    head = chunkable_head(model) if packed is not None or 0 < chunk_tokens < labels.numel() else None
-    if head is None:
+    head = chunkable_head(model)
+    # Chunks pay only when the logits are wider than the hidden states kept instead (49k vs
+    # 576 for SmolLM2; the tiny test models' 64-token vocabulary is narrower than their 96),
+    # and only for more than one chunk's tokens. Else the whole path, which autograd alone
+    # drives: no recompute, and the numbers of every earlier run bit for bit.
+    narrow = head is not None and head.out_features <= head.in_features
+    if head is None or (packed is None and (narrow or not 0 < chunk_tokens < labels.numel())):
         logits = response_logits(model, inputs, temperature).float()
         logprobs = logprobs_from_logits(logits, labels)
         return logprobs, entropy_from_logits(logits) if with_entropy else None
-    hidden = response_hidden(model, head, inputs, packed)
+    hidden = response_hidden(model, head, inputs, packed)  # packed rows: only this path takes them
+    whole = narrow or chunk_tokens <= 0
     return chunked_token_stats(hidden, head, labels, temperature, unsampled_token(model), with_entropy,
-                               chunk_tokens if chunk_tokens > 0 else labels.numel())
+                               labels.numel() if whole else chunk_tokens, recompute=not narrow)
 
 
 def chunkable_head(model: torch.nn.Module) -> torch.nn.Linear | None:
@@ -141,7 +145,7 @@ def _token_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 
 
 def chunked_token_stats(hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor, temperature: float,
-                        pad_id: int | None, with_entropy: bool, chunk_tokens: int,
+                        pad_id: int | None, with_entropy: bool, chunk_tokens: int, recompute: bool = True,
                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and entropies) of `labels`, [B, R], from hidden states `chunk_tokens` at a time.
 
@@ -149,10 +153,11 @@ def chunked_token_stats(hidden: torch.Tensor, head: torch.nn.Linear, labels: tor
     for backward, which is the whole `[tokens, vocab]` tensor again. Each chunk is
     recomputed in backward instead (one more head matmul per chunk), so what the pass
     keeps is the hidden states, `[tokens, hidden]`, a vocab/hidden fraction of the logits.
+    `recompute=False` (logits no wider than the hidden states): autograd keeps them instead.
     """
     rows, resp_len, width = hidden.shape
     flat_hidden, flat_labels = hidden.reshape(-1, width), labels.reshape(-1)
-    recompute = torch.is_grad_enabled() and (hidden.requires_grad or head.weight.requires_grad)
+    recompute = recompute and torch.is_grad_enabled() and (hidden.requires_grad or head.weight.requires_grad)
     logprobs, entropies = [], []
     for start in range(0, flat_hidden.shape[0], chunk_tokens):
         args = (flat_hidden[start:start + chunk_tokens], head.weight, head.bias,
