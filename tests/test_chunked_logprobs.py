@@ -118,3 +118,58 @@ def test_models_that_rescale_their_logits_take_the_whole_path() -> None:
         lp, _ = response_logprobs(model, batch, 1.0, chunk_tokens=4)
         whole, _ = response_logprobs(model, batch, 1.0, chunk_tokens=0)
     assert torch.equal(lp, whole)
+
+
+def vocab_wide_work(model: torch.nn.Module, batch: dict[str, torch.Tensor], chunk: int,
+                    entropy_grad: bool) -> tuple[int, int, torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """Elements of every `[.., V]` tensor autograd saves, and of every one backward computes."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        elements = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor) and t.dim() and t.shape[-1] == VOCAB:
+                    self.elements += t.numel()
+            return out
+
+    saved = 0
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        nonlocal saved
+        if tensor.dim() and tensor.shape[-1] == VOCAB and tensor.dtype.is_floating_point:
+            saved += tensor.numel()
+        return tensor
+
+    with saved_tensors_hooks(pack, lambda tensor: tensor):
+        logprobs, entropy = response_logprobs(model, batch, 1.0, with_entropy=True, chunk_tokens=chunk,
+                                              entropy_grad=entropy_grad)
+    counter = Count()
+    with counter:
+        (logprobs * batch["response_mask"]).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return saved, counter.elements, logprobs.detach(), entropy.detach(), grads
+
+
+@pytest.mark.parametrize("chunk", [0, 16])
+def test_an_entropy_kept_only_as_a_metric_costs_backward_nothing(chunk: int) -> None:
+    """`entropy_coef: 0` (the default): same numbers and gradients, less vocab-wide work.
+
+    Whole path: autograd no longer saves the entropy's softmax. Chunked path: the recompute
+    stops at the log-probs, so backward computes fewer vocab-wide tensors.
+    """
+    batch = inputs(rows=8, response=16)
+    with_grad = vocab_wide_work(tiny(), batch, chunk, entropy_grad=True)
+    metric_only = vocab_wide_work(tiny(), batch, chunk, entropy_grad=False)
+    for a, b in zip(with_grad[2:4], metric_only[2:4], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert with_grad[4].keys() == metric_only[4].keys()
+    for name, grad in with_grad[4].items():
+        torch.testing.assert_close(metric_only[4][name], grad, rtol=0, atol=0, msg=name)
+    if chunk == 0:  # the softmax is no longer saved; backward never ran through it anyway
+        assert metric_only[0] < with_grad[0], (metric_only[0], with_grad[0])
+    else:  # nothing vocab-wide is saved either way; the recompute no longer redoes the entropy
+        assert metric_only[0] == with_grad[0] == 0
+        assert metric_only[1] < with_grad[1], (metric_only[1], with_grad[1])

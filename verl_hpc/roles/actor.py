@@ -144,7 +144,8 @@ class Actor(OptimizedModel):
             weight = micro_weight(mask, total_tokens, total_rows, algo.loss_agg_mode) * dp_scale
             logprobs, entropy = response_logprobs(self.model, micro, algo.sampling.temperature,
                                                   with_entropy=True, chunk_tokens=self.chunk_tokens,
-                                                  remove_padding=self.remove_padding)
+                                                  remove_padding=self.remove_padding,
+                                                  entropy_grad=algo.entropy_coef > 0)
             old = logprobs.detach() if reuse_forward else micro["old_logprobs"]
             seen.append((rows, old))
             pg, pg_stats = loss_fn(logprobs, old, micro["advantages"], mask, algo)

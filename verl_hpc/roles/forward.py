@@ -69,13 +69,16 @@ def exclude_padding(logits: torch.Tensor, pad_id: int | None) -> torch.Tensor:
 
 def response_logprobs(model: torch.nn.Module, inputs: dict[str, torch.Tensor], temperature: float,
                       with_entropy: bool = False, chunk_tokens: int = LOGPROB_CHUNK_TOKENS,
-                      remove_padding: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                      remove_padding: bool = False, entropy_grad: bool = True,
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token logprobs of the response under `model` (and entropies if asked).
 
     With more than `chunk_tokens` response tokens (and a plain linear head) the logits exist
     one chunk of tokens at a time, in forward and in backward (`chunked_token_stats`); else
     all at once. `remove_padding`: the forward runs over packed rows (packing.py) and the
-    head over the response tokens' hidden states only.
+    head over the response tokens' hidden states only. `entropy_grad=False`: the entropies are
+    a metric only (no entropy bonus), computed without autograd, so backward neither keeps
+    nor recomputes their `[tokens, vocab]` softmax.
     """
     resp_len = inputs["response_mask"].shape[1]
     labels = inputs["input_ids"][:, -resp_len:]
@@ -89,11 +92,12 @@ def response_logprobs(model: torch.nn.Module, inputs: dict[str, torch.Tensor], t
     if head is None or (packed is None and (narrow or not 0 < chunk_tokens < labels.numel())):
         logits = response_logits(model, inputs, temperature).float()
         logprobs = logprobs_from_logits(logits, labels)
-        return logprobs, entropy_from_logits(logits) if with_entropy else None
+        return logprobs, _entropy(logits, entropy_grad) if with_entropy else None
     hidden = response_hidden(model, head, inputs, packed)  # packed rows: only this path takes them
     whole = narrow or chunk_tokens <= 0
     return chunked_token_stats(hidden, head, labels, temperature, unsampled_token(model), with_entropy,
-                               labels.numel() if whole else chunk_tokens, recompute=not narrow)
+                               labels.numel() if whole else chunk_tokens, recompute=not narrow,
+                               entropy_grad=entropy_grad)
 
 
 def chunkable_head(model: torch.nn.Module) -> torch.nn.Linear | None:
@@ -135,18 +139,30 @@ def response_hidden(model: torch.nn.Module, head: torch.nn.Module, inputs: dict[
                                          use_cache=False).logits, inputs, packed)
 
 
+def _entropy(logits: torch.Tensor, grad: bool) -> torch.Tensor:
+    if grad:
+        return entropy_from_logits(logits)
+    with torch.no_grad():
+        return entropy_from_logits(logits)
+
+
 def _token_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
-                 temperature: float, pad_id: int | None, with_entropy: bool) -> tuple[torch.Tensor, ...]:
-    """One chunk: the same logits as `response_logits` (padding excluded, tempered), then stats."""
+                 temperature: float, pad_id: int | None, with_entropy: bool,
+                 entropy_grad: bool = True) -> tuple[torch.Tensor, ...]:
+    """One chunk: the same logits as `response_logits` (padding excluded, tempered), then stats.
+
+    The entropy comes last: without its gradient it saves nothing for backward, and the
+    checkpoint's recompute stops once what backward needs exists (torch's early stop), so
+    the recompute never reaches it."""
     # Under autocast the hidden states are bf16 while the head's weight stays fp32.
     logits = tempered(F.linear(hidden.to(weight.dtype), weight, bias), pad_id, temperature).float()
     logprobs = logprobs_from_logits(logits, labels)
-    return (logprobs, entropy_from_logits(logits)) if with_entropy else (logprobs,)
+    return (logprobs, _entropy(logits, entropy_grad)) if with_entropy else (logprobs,)
 
 
 def chunked_token_stats(hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor, temperature: float,
                         pad_id: int | None, with_entropy: bool, chunk_tokens: int, recompute: bool = True,
-                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                        entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and entropies) of `labels`, [B, R], from hidden states `chunk_tokens` at a time.
 
     Why checkpointed: autograd would otherwise keep every chunk's fp32 logits and softmax
@@ -161,7 +177,7 @@ def chunked_token_stats(hidden: torch.Tensor, head: torch.nn.Linear, labels: tor
     logprobs, entropies = [], []
     for start in range(0, flat_hidden.shape[0], chunk_tokens):
         args = (flat_hidden[start:start + chunk_tokens], head.weight, head.bias,
-                flat_labels[start:start + chunk_tokens], temperature, pad_id, with_entropy)
+                flat_labels[start:start + chunk_tokens], temperature, pad_id, with_entropy, entropy_grad)
         stats = checkpoint(_token_stats, *args, use_reentrant=False) if recompute else _token_stats(*args)
         logprobs.append(stats[0])
         if with_entropy:
