@@ -13,11 +13,11 @@ from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
-from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 from verl_hpc.algo import entropy_from_logits, logprobs_from_logits
 from verl_hpc.config.schema import LOGPROB_CHUNK_TOKENS
+from verl_hpc.roles.head_logprobs import head_logits, head_logprobs
 from verl_hpc.roles.micro_batching import micro_batches_of, reassemble
 from verl_hpc.roles.packing import PackedRows, pack, packed_response_outputs
 
@@ -147,17 +147,11 @@ def _entropy(logits: torch.Tensor, grad: bool) -> torch.Tensor:
 
 
 def _token_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
-                 temperature: float, pad_id: int | None, with_entropy: bool,
-                 entropy_grad: bool = True) -> tuple[torch.Tensor, ...]:
-    """One chunk: the same logits as `response_logits` (padding excluded, tempered), then stats.
-
-    The entropy comes last: without its gradient it saves nothing for backward, and the
-    checkpoint's recompute stops once what backward needs exists (torch's early stop), so
-    the recompute never reaches it."""
-    # Under autocast the hidden states are bf16 while the head's weight stays fp32.
-    logits = tempered(F.linear(hidden.to(weight.dtype), weight, bias), pad_id, temperature).float()
+                 temperature: float, pad_id: int | None, with_entropy: bool) -> tuple[torch.Tensor, ...]:
+    """One chunk through autograd: the entropy bonus's path, which needs the entropy's gradient."""
+    logits = head_logits(hidden, weight, bias, pad_id, temperature)
     logprobs = logprobs_from_logits(logits, labels)
-    return (logprobs, _entropy(logits, entropy_grad)) if with_entropy else (logprobs,)
+    return (logprobs, entropy_from_logits(logits)) if with_entropy else (logprobs,)
 
 
 def chunked_token_stats(hidden: torch.Tensor, head: torch.nn.Linear, labels: torch.Tensor, temperature: float,
@@ -165,20 +159,29 @@ def chunked_token_stats(hidden: torch.Tensor, head: torch.nn.Linear, labels: tor
                         entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs (and entropies) of `labels`, [B, R], from hidden states `chunk_tokens` at a time.
 
-    Why checkpointed: autograd would otherwise keep every chunk's fp32 logits and softmax
-    for backward, which is the whole `[tokens, vocab]` tensor again. Each chunk is
-    recomputed in backward instead (one more head matmul per chunk), so what the pass
-    keeps is the hidden states, `[tokens, hidden]`, a vocab/hidden fraction of the logits.
-    `recompute=False` (logits no wider than the hidden states): autograd keeps them instead.
+    Why chunks that keep nothing vocab-wide: autograd would otherwise keep every chunk's fp32
+    logits and softmax for backward, which is the whole `[tokens, vocab]` tensor again. Each
+    chunk's logits are recomputed in backward instead (one more head matmul per chunk), so
+    what the pass keeps is the hidden states, `[tokens, hidden]`, a vocab/hidden fraction of
+    the logits. Log-probs alone, or with entropies as a metric, take the hand-written
+    backward (head_logprobs.py); an entropy bonus takes autograd under a checkpoint, or
+    without one when `recompute=False` (logits no wider than the hidden states).
     """
     rows, resp_len, width = hidden.shape
     flat_hidden, flat_labels = hidden.reshape(-1, width), labels.reshape(-1)
-    recompute = recompute and torch.is_grad_enabled() and (hidden.requires_grad or head.weight.requires_grad)
+    grad = torch.is_grad_enabled() and (hidden.requires_grad or head.weight.requires_grad)
+    # Only an entropy bonus needs autograd through the chunk; else the hand-written backward.
+    by_hand = not (grad and with_entropy and entropy_grad)
     logprobs, entropies = [], []
     for start in range(0, flat_hidden.shape[0], chunk_tokens):
         args = (flat_hidden[start:start + chunk_tokens], head.weight, head.bias,
-                flat_labels[start:start + chunk_tokens], temperature, pad_id, with_entropy, entropy_grad)
-        stats = checkpoint(_token_stats, *args, use_reentrant=False) if recompute else _token_stats(*args)
+                flat_labels[start:start + chunk_tokens], temperature, pad_id, with_entropy)
+        if by_hand:
+            stats: tuple[torch.Tensor | None, ...] = head_logprobs(*args)
+        elif recompute:
+            stats = checkpoint(_token_stats, *args, use_reentrant=False)
+        else:
+            stats = _token_stats(*args)
         logprobs.append(stats[0])
         if with_entropy:
             entropies.append(stats[1])
