@@ -28,7 +28,7 @@ NEG = -1e9  # the excluded pad token's logit (forward.exclude_padding): finite, 
 
 
 def head_logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pad_id: int | None,
-            temperature: float) -> torch.Tensor:
+                temperature: float) -> torch.Tensor:
     """The sampled distribution's fp32 logits for one chunk (forward.py's `tempered` of the head's
     output), made in place after the matmul: no copy for the pad column or the temperature."""
     logits = F.linear(hidden.to(weight.dtype), weight, bias).float()  # under autocast: bf16 hidden

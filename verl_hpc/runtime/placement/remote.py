@@ -55,7 +55,7 @@ class Exchange:
         return dist.get_world_size(self.group) - self.trainers == 1
 
     def to_serving(self, payload: Any) -> list[Any]:
-        """Every trainer rank's payload, on each serving rank (trainer ranks get [])."""
+        """Every trainer rank's payload, on each serving rank (what trainer ranks get is unused)."""
         if not self.single:
             return _all_gather(self.group, payload)
         me = dist.get_rank(self.group)
