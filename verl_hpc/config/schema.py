@@ -41,6 +41,16 @@ class LoraConfig(StrictModel):
         "linear layer but the output head")
 
 
+class ParamOffloadConfig(StrictModel):
+    """Which pass-only roles keep their weights in host memory between passes (verl's `param_offload`)."""
+
+    ref: bool = Field(False, description="the reference policy's weights live in host memory except during its "
+                      "log-prob pass (FSDP2's CPUOffloadPolicy when sharded); no effect on a CPU")
+    critic: bool = Field(False, description="the critic's weights live in host memory except during its value "
+                         "pass and update (sharded: FSDP2's CPUOffloadPolicy, which also runs its optimizer step on "
+                         "the CPU); no effect on a CPU")
+
+
 class ModelConfig(StrictModel):
     """A local Hugging Face directory; with `init_preset` it is built there on first use."""
 
@@ -74,6 +84,9 @@ class ModelConfig(StrictModel):
         None, description="train low-rank adapters on the actor instead of every weight (needs peft): only "
         "the adapters get gradients, optimizer state and checkpoint space; rollout engines get the merged "
         "weights every sync; `verl-hpc export` writes the merged model, `--adapter` the adapter alone")
+    param_offload: ParamOffloadConfig = Field(
+        default_factory=ParamOffloadConfig, description="accelerator memory freed between passes for the actor's "
+        "activations and the rollout's KV cache, for one host-to-device copy of the weights per pass")
 
 
 class DataConfig(StrictModel):

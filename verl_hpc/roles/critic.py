@@ -15,6 +15,7 @@ from verl_hpc.config import AlgorithmConfig
 from verl_hpc.config.schema import OptimConfig
 from verl_hpc.roles.actor import UpdatePlan, data_parallel_scale, micro_weight
 from verl_hpc.roles.micro_batching import micro_batches_of, reassemble
+from verl_hpc.roles.offload import ParamOffload
 from verl_hpc.roles.optimizer import OptimizedModel
 from verl_hpc.roles.packing import pack, packed_response_outputs
 
@@ -66,17 +67,19 @@ class ValueModel(nn.Module):
 
 class Critic(OptimizedModel):
     def __init__(self, model: ValueModel, algo: AlgorithmConfig, optim: OptimConfig, total_steps: int,
-                 dp_group=None):
+                 dp_group=None, offload: ParamOffload | None = None):
         super().__init__(model, optim, total_steps)
         self.dp_group = dp_group
+        self.offload = offload or ParamOffload.none()  # model.param_offload.critic
         self.algo = algo
 
     @torch.no_grad()
     def compute_values(self, inputs: dict[str, torch.Tensor], micro_batch_size: int,
                        token_budget: int | None = None) -> torch.Tensor:
         self.model.eval()
-        parts = [(rows, self.model(mb)) for rows, mb in micro_batches_of(inputs, micro_batch_size, token_budget,
-                                                                           self.dp_group)]
+        with self.offload.resident():
+            parts = [(rows, self.model(mb)) for rows, mb in micro_batches_of(inputs, micro_batch_size, token_budget,
+                                                                               self.dp_group)]
         return reassemble(parts, inputs["input_ids"].shape[0], inputs["response_mask"].shape[1])
 
     def update(self, inputs: dict[str, torch.Tensor], plan: UpdatePlan) -> dict[str, float]:
@@ -85,12 +88,13 @@ class Critic(OptimizedModel):
         self.model.train()
         sums: dict[str, float] = {}
         count = 0
-        for _ in range(plan.epochs):
-            for rows in plan.mini_batches(batch_size):
-                mini = {k: v[rows] for k, v in inputs.items()}
-                for key, value in self._optimizer_step(mini, plan.micro_batch_size, plan.token_budget).items():
-                    sums[key] = sums.get(key, 0.0) + value
-                count += 1
+        with self.offload.resident():
+            for _ in range(plan.epochs):
+                for rows in plan.mini_batches(batch_size):
+                    mini = {k: v[rows] for k, v in inputs.items()}
+                    for key, value in self._optimizer_step(mini, plan.micro_batch_size, plan.token_budget).items():
+                        sums[key] = sums.get(key, 0.0) + value
+                    count += 1
         self.scheduler.step()
         return {k: v / count for k, v in sums.items()}
 

@@ -47,17 +47,22 @@ def checkpoint_activations(model: nn.Module) -> nn.Module:
 
 
 def shard_model(model: nn.Module, group: dist.ProcessGroup, device_type: str,
-                param_dtype: torch.dtype | None = None) -> nn.Module:
-    """`fully_shard` every decoder layer, then the root, over `group`; returns the model."""
+                param_dtype: torch.dtype | None = None, offload: bool = False) -> nn.Module:
+    """`fully_shard` every decoder layer, then the root, over `group`; returns the model.
+
+    `offload` (an accelerator only: FSDP2's offload needs one): the shards live in pinned
+    host memory and are copied in layer by layer for each all-gather (roles/offload.py).
+    """
     from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     mesh = DeviceMesh.from_group(group, device_type=device_type)
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32) if param_dtype else \
         MixedPrecisionPolicy()
+    where = CPUOffloadPolicy(pin_memory=True) if offload and device_type != "cpu" else OffloadPolicy()
     for layer in decoder_layers(model):
-        fully_shard(layer, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+        fully_shard(layer, mesh=mesh, mp_policy=policy, offload_policy=where)
+    fully_shard(model, mesh=mesh, mp_policy=policy, offload_policy=where)
     return model
 
 

@@ -78,28 +78,33 @@ class GroupLoad:
     def skeleton(self) -> bool:
         return self.rank0 and not self.leader
 
-    def shard(self, model: nn.Module, shard_fn: Any) -> nn.Module:
-        """`shard_fn(model)` (FSDP2), then, with rank0, the first rank's weights into every shard."""
+    def shard(self, model: nn.Module, shard_fn: Any, offloaded: bool = False) -> nn.Module:
+        """`shard_fn(model)` (FSDP2), then, with rank0, the first rank's weights into every shard.
+
+        `offloaded`: `shard_fn` keeps the shards in host memory, so a skeleton's are made there.
+        """
         full = dict(model.state_dict()) if self.rank0 and self.leader else None
         shard_fn(model)
         if self.rank0:
-            fill_from_leader(model, full, self.group, self.device)  # type: ignore[arg-type]
+            storage = torch.device("cpu") if offloaded else self.device
+            fill_from_leader(model, full, self.group, self.device, storage)  # type: ignore[arg-type]
         return model
 
 
 @torch.no_grad()
 def fill_from_leader(model: nn.Module, full: dict[str, torch.Tensor] | None, group: dist.ProcessGroup,
-                     device: torch.device) -> None:
+                     device: torch.device, storage: torch.device | None = None) -> None:
     """Every parameter's full tensor broadcast from the group's first rank; each keeps its slice.
 
     `full` is the first rank's state dict from before sharding (None elsewhere). Every
     rank walks the sharded model's state dict in the same order, so the broadcasts pair up.
+    The broadcasts run on `device`; a skeleton's tensors are made on `storage` (default: `device`).
     """
     from torch.distributed.tensor import DTensor, distribute_tensor
 
     if full is None and is_skeleton(model):
         buffers = {name: buf.detach().clone() for name, buf in model.named_buffers()}
-        model.to_empty(device=device)
+        model.to_empty(device=storage or device)
         for name, buf in model.named_buffers():
             buf.copy_(buffers[name])
     src = dist.get_global_rank(group, 0)

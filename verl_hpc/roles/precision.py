@@ -62,16 +62,17 @@ def autocast_forward(model: torch.nn.Module, dtype: torch.dtype | None) -> torch
 
 
 def shard_or_autocast(model: torch.nn.Module, setting: str, device: torch.device,
-                      group: dist.ProcessGroup | None) -> torch.nn.Module:
+                      group: dist.ProcessGroup | None, offload: bool = False) -> torch.nn.Module:
     """`model` computing in `model.mixed_precision`'s dtype on `device`; returns it.
 
     Over a role's group: FSDP2-sharded with that dtype as its param dtype. On a lone rank
     (no group): unsharded, its forward under autocast. Every model a role trains or runs
-    (actor, ref, critic; DPO's policy and ref) goes through here, so they agree.
+    (actor, ref, critic; DPO's policy and ref) goes through here, so they agree. `offload`:
+    a sharded model's shards in host memory (an unsharded one is moved by `ParamOffload`).
     """
     dtype, name = compute_dtype(setting, device), type(model).__name__  # FSDP2 renames the class
     if group is not None:
-        shard_model(model, group, device.type, dtype)
+        shard_model(model, group, device.type, dtype, offload)
     else:
         autocast_forward(model, dtype)
     how = "FSDP2" if group is not None else "autocast" if dtype is not None else "unsharded"

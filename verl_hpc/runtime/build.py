@@ -29,6 +29,7 @@ from verl_hpc.roles.critic import Critic, ValueModel
 from verl_hpc.roles.fsdp import checkpoint_activations
 from verl_hpc.roles.loading import GroupLoad, causal_lm_skeleton
 from verl_hpc.roles.lora import apply_lora
+from verl_hpc.roles.offload import ParamOffload, offloads_to_host
 from verl_hpc.roles.precision import shard_or_autocast
 from verl_hpc.roles.reward import ModelReward, RuleReward
 from verl_hpc.roles.reward_shaping import OverlongShapedReward
@@ -50,6 +51,7 @@ class Roles:
     val_prompt_ids: list[list[int]] | None = None
     actor: Actor | None = None
     ref_model: torch.nn.Module | None = None
+    ref_offload: ParamOffload = field(default_factory=ParamOffload.none)  # model.param_offload.ref
     critic: Critic | None = None
     engine: RolloutEngine | None = None
     reward: RuleReward | ModelReward | None = None
@@ -208,7 +210,9 @@ def build_roles(cfg: RunConfig, run_dir: Path, spec: BuildSpec, actor_model: Any
         if not load.skeleton:  # a skeleton gets its storage, on the device, once sharded
             policy.to(spec.device)
     if "ref" in spec.hosted:
-        roles.ref_model = _frozen(copy.deepcopy(policy), cfg, spec, load)
+        offload = cfg.model.param_offload.ref
+        roles.ref_model = _frozen(copy.deepcopy(policy), cfg, spec, load, offload)
+        roles.ref_offload = ParamOffload(roles.ref_model, spec.device, offload, name="ref")
     if "actor" in spec.hosted:
         if cfg.model.lora is not None:  # after the ref's copy: the ref is the base model
             apply_lora(policy, cfg.model.lora, cfg.trainer.seed)
@@ -238,9 +242,11 @@ def build_roles(cfg: RunConfig, run_dir: Path, spec: BuildSpec, actor_model: Any
     return roles
 
 
-def _frozen(model: torch.nn.Module, cfg: RunConfig, spec: BuildSpec, load: GroupLoad) -> torch.nn.Module:
+def _frozen(model: torch.nn.Module, cfg: RunConfig, spec: BuildSpec, load: GroupLoad,
+            offload: bool = False) -> torch.nn.Module:
     model.eval().requires_grad_(False)
-    return load.shard(model, lambda m: shard_or_autocast(m, cfg.model.mixed_precision, spec.device, spec.fsdp_group))
+    return load.shard(model, lambda m: shard_or_autocast(m, cfg.model.mixed_precision, spec.device, spec.fsdp_group,
+                                                         offload), offloads_to_host(offload, spec.device))
 
 
 def _build_critic(cfg: RunConfig, spec: BuildSpec, model_dir: str, dtype: torch.dtype, load: GroupLoad) -> Critic:
@@ -251,9 +257,11 @@ def _build_critic(cfg: RunConfig, spec: BuildSpec, model_dir: str, dtype: torch.
         value_model.to(spec.device)
     if cfg.model.gradient_checkpointing:
         checkpoint_activations(value_model)
-    load.shard(value_model, lambda m: shard_or_autocast(m, cfg.model.mixed_precision, spec.device, spec.fsdp_group))
+    offload = cfg.model.param_offload.critic
+    load.shard(value_model, lambda m: shard_or_autocast(m, cfg.model.mixed_precision, spec.device, spec.fsdp_group,
+                                                        offload), offloads_to_host(offload, spec.device))
     return Critic(value_model, cfg.algorithm, cfg.trainer.critic_optim, cfg.trainer.total_steps,
-                  dp_group=spec.fsdp_group)
+                  dp_group=spec.fsdp_group, offload=ParamOffload(value_model, spec.device, offload, name="critic"))
 
 
 def _build_engine(cfg: RunConfig, spec: BuildSpec, roles: Roles, model_dir: str,

@@ -68,20 +68,18 @@ class DPOTrainer(StepCounters):
     def update(self, pairs: list[int], total_pairs: int) -> tuple[PreferenceLoss, float]:
         """One optimizer step over this rank's pairs, micro-batch by micro-batch."""
         p, dpo = self.placement, self.cfg.algorithm.dpo
-        actor, ref = p.roles.actor, p.roles.ref_model
+        actor = p.roles.actor
         micro = self.cfg.algorithm.micro_batch_size or len(pairs)
         scale = p.world / total_pairs  # FSDP averages gradients over the p.world ranks
         actor.model.train()  # type: ignore[union-attr]
         actor.optimizer.zero_grad(set_to_none=True)  # type: ignore[union-attr]
         parts: list[PreferenceLoss] = []
-        for begin in range(0, len(pairs), micro):
-            rows = pairs[begin:begin + micro]
+        average = dpo.loss_type == "ipo"  # type: ignore[union-attr]
+        micro_rows = [pairs[begin:begin + micro] for begin in range(0, len(pairs), micro)]
+        ref_all = self.ref_logps(micro_rows, average)  # first, so an offloaded ref is resident once
+        for rows, ref_logps in zip(micro_rows, ref_all, strict=True):
             inputs = to_device(self.pairs.model_inputs(rows, p.roles.pad_id), p.roles.device)
-            mask, average = inputs["response_mask"], dpo.loss_type == "ipo"  # type: ignore[union-attr]
-            with torch.no_grad():
-                ref_logps = sequence_logps(response_logprobs(ref, inputs, 1.0, chunk_tokens=actor.chunk_tokens,
-                                                             remove_padding=actor.remove_padding)[0],  # type: ignore[union-attr]
-                                           mask, average)
+            mask = inputs["response_mask"]
             tokens = response_logprobs(actor.model, inputs, 1.0, chunk_tokens=actor.chunk_tokens,  # type: ignore[union-attr]
                                        remove_padding=actor.remove_padding)[0]  # type: ignore[union-attr]
             policy_logps, k = sequence_logps(tokens, mask, average), len(rows)
@@ -95,6 +93,20 @@ class DPOTrainer(StepCounters):
         merged = PreferenceLoss(*(torch.cat([getattr(o, f) for o in parts]).detach() for f in
                                   ("losses", "chosen_rewards", "rejected_rewards", "chosen_logps", "rejected_logps")))
         return merged, grad_norm
+
+    @torch.no_grad()
+    def ref_logps(self, micro_rows: list[list[int]], average: bool) -> list[torch.Tensor]:
+        """The reference's sequence log-probs of every micro-batch, in one resident pass."""
+        p = self.placement
+        actor, ref = p.roles.actor, p.roles.ref_model
+        out = []
+        with p.roles.ref_offload.resident():
+            for rows in micro_rows:
+                inputs = to_device(self.pairs.model_inputs(rows, p.roles.pad_id), p.roles.device)
+                tokens = response_logprobs(ref, inputs, 1.0, chunk_tokens=actor.chunk_tokens,  # type: ignore[union-attr]
+                                           remove_padding=actor.remove_padding)[0]  # type: ignore[union-attr]
+                out.append(sequence_logps(tokens, inputs["response_mask"], average))
+        return out
 
     def samples_text(self, pairs: list[int]) -> str:
         """The first pairs of the step, as TensorBoard's text tab shows the RL loop's samples."""

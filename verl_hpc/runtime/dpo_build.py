@@ -23,6 +23,7 @@ from verl_hpc.roles.allocator import ResourceAllocator
 from verl_hpc.roles.fsdp import checkpoint_activations
 from verl_hpc.roles.loading import GroupLoad, causal_lm_skeleton
 from verl_hpc.roles.lora import apply_lora
+from verl_hpc.roles.offload import ParamOffload, offloads_to_host
 from verl_hpc.roles.precision import shard_or_autocast
 from verl_hpc.runtime.build import (
     DTYPES,
@@ -107,12 +108,15 @@ def build_dpo_roles(cfg: RunConfig, run_dir: Path, spec: BuildSpec, actor_model:
         apply_lora(policy, cfg.model.lora, cfg.trainer.seed)
     if cfg.model.gradient_checkpointing:
         checkpoint_activations(policy)
-    for model in (ref, policy):
-        load.shard(model, lambda m: shard_or_autocast(m, cfg.model.mixed_precision, spec.device, spec.fsdp_group))
+    offload = cfg.model.param_offload.ref
+    load.shard(ref, lambda m: shard_or_autocast(m, cfg.model.mixed_precision, spec.device, spec.fsdp_group, offload),
+               offloads_to_host(offload, spec.device))
+    load.shard(policy, lambda m: shard_or_autocast(m, cfg.model.mixed_precision, spec.device, spec.fsdp_group))
     actor = Actor(policy, cfg.algorithm, cfg.trainer.actor_optim, cfg.trainer.total_steps, dp_group=spec.fsdp_group,
                   chunk_tokens=cfg.model.logprob_chunk_tokens, remove_padding=cfg.model.remove_padding)
     trainer = cfg.trainer
     allocator = ResourceAllocator(spec.device, trainer.min_micro_batch_size, False)  # no OOM retry: fixed slices
     actor.allocator = allocator
     return DPORoles(tokenizer=tokenizer, device=spec.device, dataset=pairs.dataset, prompt_ids=pairs.prompt_ids,  # type: ignore[arg-type]
-                    hosted=("actor", "ref"), actor=actor, ref_model=ref, allocator=allocator, pairs=pairs)
+                    hosted=("actor", "ref"), actor=actor, ref_model=ref, allocator=allocator, pairs=pairs,
+                    ref_offload=ParamOffload(ref, spec.device, offload, name="ref"))

@@ -133,10 +133,11 @@ class Placement:
 
     def ref_logprobs(self, batch: RolloutBatch, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         plan, actor = self.plan(), self.roles.actor
-        return batched_logprobs(self.roles.ref_model, inputs, self.cfg.algorithm.sampling.temperature,
-                                plan.micro_batch_size, self.cfg.model.logprob_chunk_tokens, plan.token_budget,
-                                actor.dp_group if actor is not None else None,  # the ref shards with the actor
-                                self.cfg.model.remove_padding)
+        with self.roles.ref_offload.resident():
+            return batched_logprobs(self.roles.ref_model, inputs, self.cfg.algorithm.sampling.temperature,
+                                    plan.micro_batch_size, self.cfg.model.logprob_chunk_tokens, plan.token_budget,
+                                    actor.dp_group if actor is not None else None,  # the ref shards with the actor
+                                    self.cfg.model.remove_padding)
 
     def values(self, batch: RolloutBatch, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
         plan = self.plan()

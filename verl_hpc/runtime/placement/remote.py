@@ -181,9 +181,10 @@ class RoleService:
             out = roles.critic.compute_values(inputs, micro, budget)  # type: ignore[union-attr]
         else:
             sharded = p.ctx.group.size > 1 and p.ctx.group.resources.strategy == "fsdp"
-            out = batched_logprobs(roles.ref_model, inputs, algo.sampling.temperature, micro,
-                                   p.cfg.model.logprob_chunk_tokens, budget, p.ctx.process_group if sharded else None,
-                                   p.cfg.model.remove_padding)
+            with roles.ref_offload.resident():
+                out = batched_logprobs(roles.ref_model, inputs, algo.sampling.temperature, micro,
+                                       p.cfg.model.logprob_chunk_tokens, budget,
+                                       p.ctx.process_group if sharded else None, p.cfg.model.remove_padding)
         lengths = batch.response_lengths()
         values = out.float().cpu().numpy()
         return [values[i, :lengths[i]].tolist() for i in range(len(batch))]
