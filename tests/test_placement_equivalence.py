@@ -158,3 +158,25 @@ def test_ppo_agrees_on_every_placement(tmp_path: Path, tiny_model_dir: Path, in_
     if in_reward:  # the penalty sits in the rewards, not in the loss, and it moves them
         assert all(r["actor/kl_loss"] == 0.0 for r in metrics[2:])
         assert any(abs(r["critic/rewards/mean"] - r["critic/score/mean"]) > 1e-6 for r in metrics[2:])
+
+
+# Issue 19's intake: each producer sends every row straight to the trainer rank that trains
+# it. W = 1, 2, 3 trainer ranks (an odd one included) with 1-3 producers; a mini-batch of 24
+# rows keeps GRPO's groups of 4 whole on every rank at each W.
+DIRECT_INTAKE: dict[str, dict[str, Any]] = {
+    "one process": PLACEMENTS["one process"],
+    "split 1 + 1": {"actor": {"device_ids": [0]}, "rollout": {"device_ids": [1]}, "placement": "split"},
+    "split 2 + 3": {"actor": {"device_ids": [0, 1], "strategy": "fsdp"}, "rollout": {"device_ids": [2, 3, 4]},
+                    "placement": "split"},
+    "split 3 + 2": {"actor": {"device_ids": [0, 1, 2], "strategy": "fsdp"}, "rollout": {"device_ids": [3, 4]},
+                    "placement": "split"},
+}
+
+
+def test_the_direct_intake_agrees_for_one_two_and_three_trainer_ranks(tmp_path: Path, tiny_model_dir: Path) -> None:
+    data = base_config(tiny_model_dir, {"name": "grpo"}, {"function": "verl_hpc.data.tasks.arithmetic:score"}, steps=3)
+    data["trainer"]["batch_size"], data["algorithm"]["mini_batch_size"] = 48, 24
+    replay_everywhere(tmp_path, data, COMMON_KEYS, DIRECT_INTAKE)
+    for name, world in (("split_1_+_1", 1), ("split_2_+_3", 2), ("split_3_+_2", 3)):
+        last = rows(tmp_path / name)[-1]  # rank 0 took in its own rows only: 48 / W of them
+        assert last["perf/rollout_intake_rows"] == 48 / world, (name, last)

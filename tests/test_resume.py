@@ -127,3 +127,29 @@ def test_resume_with_critic_and_ref_groups_is_exact(tmp_path: Path, tiny_model_d
     for a, b in zip(expected[3:], got[3:], strict=True):
         for key in ("actor/pg_loss", "actor/kl_loss", "critic/vf_loss", "critic/values/mean", "critic/score/mean"):
             assert b[key] == pytest.approx(a[key], abs=1e-6), (a["step"], key)
+
+
+def test_rollouts_generated_ahead_are_saved_per_rank_and_rerouted_on_another_world(tmp_path: Path,
+                                                                                    tiny_model_dir: Path) -> None:
+    """max_staleness 1: each trainer rank checkpoints its own rows of the next step; a resume on
+    one rank takes every old rank's rows, and trains step 5 on exactly the rollouts saved."""
+    import pyarrow as pa
+
+    two = tmp_path / "two_ranks"
+    _train(two, tiny_model_dir, "trainer.total_steps=6", "algorithm.max_staleness=1",
+           "resources.actor.device_ids=[0,1]", "resources.actor.strategy=fsdp", "resources.rollout.device_ids=[2]",
+           "resources.reward.device_ids=[3]")
+    step4 = two / "checkpoints" / "step_00000004"
+    parts = [pa.ipc.open_stream(pa.py_buffer((step4 / f"rank{r}" / "rollout_buffer.arrow").read_bytes())).read_all()
+             for r in (0, 1)]
+    assert [len(p) for p in parts] == [64, 64]  # each rank saved its own half of step 5's 128 rows
+    assert {s for p in parts for s in p.column("step").to_pylist()} == {5}
+    assert not (step4 / "rollout_buffer.arrow").exists()  # nothing funnelled through rank 0
+    one = tmp_path / "one_rank"
+    _train(one, tiny_model_dir, "trainer.total_steps=6", "algorithm.max_staleness=1", f"checkpoint.resume={step4}",
+           "resources.actor.device_ids=[0]", "resources.rollout.device_ids=[1]", "resources.reward.device_ids=[2]")
+    expected = read_jsonl_metrics(two / "tensorboard" / "metrics.jsonl")
+    got = read_jsonl_metrics(one / "tensorboard" / "metrics.jsonl")
+    assert [r["step"] for r in got] == [5, 6]
+    assert got[0]["critic/score/mean"] == expected[4]["critic/score/mean"]  # step 5: the saved rollouts
+    assert got[0]["perf/rollout_intake_rows"] == 0  # restored from the checkpoint, not received

@@ -175,7 +175,7 @@ DESCRIPTIONS: dict[str, str] = {
     "logging.mlflow.experiment": "the MLflow experiment the run's runs go to",
     "logging.log_every": "record metrics every N steps (and at the last step)",
     "logging.sample_every": "every N steps, log a table of prompts, responses and scores to TensorBoard",
-    "logging.num_samples": "rows in that sample table; 0 = no samples",
+    "logging.num_samples": "rows in that sample table (trainer rank 0's own rows); 0 = no samples",
     "logging.progress": "`bar` (tqdm), `lines` (one line per 10 s), `off`; `auto` = bar on a terminal",
     "logging.level": "log level of the per-role log files and the console",
     # slurm

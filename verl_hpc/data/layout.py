@@ -10,6 +10,8 @@ reference group each apply it with their own W.
 
 from __future__ import annotations
 
+import numpy as np
+
 
 def rank_rows(batch_size: int, mini_batch_size: int, world: int, rank: int) -> list[int]:
     """Global row positions rank `rank` of `world` holds, mini-batch after mini-batch."""
@@ -33,3 +35,19 @@ def even_slices(total: int, parts: int, index: int) -> tuple[int, int]:
     base, extra = divmod(total, parts)
     start = index * base + min(index, extra)
     return start, start + base + (1 if index < extra else 0)
+
+
+def row_owner(position: np.ndarray, batch_size: int, mini_batch_size: int, world: int) -> np.ndarray:
+    """The rank of `world` that holds each row `position` under `rank_rows` (its inverse).
+
+    What a producer needs to send each row straight to the rank that trains it."""
+    del batch_size  # every mini-batch is laid out alike: the position within one decides
+    return (np.asarray(position) % mini_batch_size) // (mini_batch_size // world)
+
+
+def even_owner(index: np.ndarray, total: int, parts: int) -> np.ndarray:
+    """The part of `parts` whose `even_slices` range holds each item `index` of `total`."""
+    index = np.asarray(index)
+    base, extra = divmod(total, parts)
+    cut = extra * (base + 1)  # the first `extra` parts hold base + 1 items each
+    return np.where(index < cut, index // (base + 1), extra + (index - cut) // max(base, 1))

@@ -139,7 +139,7 @@ class RunCheckpointer:
         return due
 
     def save(self, step: int, states: dict[str, Any], tensor_states: dict[str, ModelState],
-             block: bool | None = None, extra_files: dict[str, bytes] | None = None) -> Path:
+             block: bool | None = None, rank_files: dict[str, bytes] | None = None) -> Path:
         run: dict[str, Any] = {"format_version": FORMAT_VERSION}
         for name, obj in states.items():
             if name == "trainer":
@@ -154,8 +154,8 @@ class RunCheckpointer:
         start = time.perf_counter()
         tensors = {name: state.state_dict() for name, state in tensor_states.items()}
         path = self.manager.save(step, tensors, meta,
-                                 rank_files={"rng.json": run_state.dumps(run_state.rng_state())},
-                                 shared_files={RUN_STATE_FILE: run_state.dumps(run), **(extra_files or {})},
+                                 rank_files={"rng.json": run_state.dumps(run_state.rng_state()), **(rank_files or {})},
+                                 shared_files={RUN_STATE_FILE: run_state.dumps(run)},
                                  block=block)
         self.last_save, self.requested = time.monotonic(), False
         self.save_seconds = time.perf_counter() - start

@@ -102,7 +102,7 @@ class RunLifecycle:
         if ckpt.due(step):
             final = step == self.cfg.trainer.total_steps or ckpt.requested
             ckpt.save(step, self.states(), self.tensor_states(), block=True if final else None,
-                      extra_files=self.placement.extra_files(step))
+                      rank_files=self.placement.extra_rank_files(step))
             if self.placement.is_leader:
                 metrics["timing_s/save_checkpoint"] = ckpt.save_seconds  # the stall: the loop waited this long
         if self.placement.is_leader and ckpt.manager.commits:  # an async save commits during later steps

@@ -24,7 +24,7 @@ from verl_hpc.runtime.checkpointing import reseed
 from verl_hpc.runtime.counters import StepCounters
 from verl_hpc.runtime.dynamic_sampling import filtered_rollouts
 from verl_hpc.runtime.placement.base import Placement, Timer
-from verl_hpc.runtime.step_metrics import data_metrics, perf_metrics, prefixed, sync_metrics
+from verl_hpc.runtime.step_metrics import data_metrics_reduced, perf_metrics, prefixed, sync_metrics
 
 UPDATE_COLUMNS = ("advantages", "returns", "token_rewards", "ref_logprobs", "old_logprobs", "values")
 
@@ -39,7 +39,7 @@ class RLTrainer(StepCounters):
         super().__init__(on_stage)
         self.cfg, self.placement, self.sampler = cfg, placement, sampler
         placement.attach_sampler(sampler)  # a rollout group draws the prompts of extra sampling rounds
-        self.last_batch: RolloutBatch | None = None  # the leader's whole batch of the latest step
+        self.last_batch: RolloutBatch | None = None  # the leader's rows of the latest step
 
     def next_step(self) -> dict[str, float] | None:
         """Advance one step; the step's metrics (a serving rank: its own part's), None when told to stop."""
@@ -66,6 +66,7 @@ class RLTrainer(StepCounters):
             with timer("adv"):
                 self.add_advantages(batch, inputs)
             train_metrics: dict[str, float] = dict(round_metrics)
+            intake = p.intake_metrics()  # rank 0's own counts: not averaged with the others' below
             if algo.needs_critic:
                 with timer("update_critic"):
                     train_metrics.update(prefixed("critic", p.update_critic(batch, inputs)))
@@ -77,11 +78,11 @@ class RLTrainer(StepCounters):
             train_metrics.update(self.rollout_probs_diff(batch, inputs))
             with timer("update_weights"):
                 sync_bytes = p.sync_weights(self.policy_version, changed=update_actor)
-        if p.world > 1 or cfg.data.record_rollouts:  # the rows leave this rank: carry the step's columns
+        if cfg.data.record_rollouts:  # the rows leave this rank: carry the step's columns
             batch = batch.with_columns(**{k: inputs[k] for k in UPDATE_COLUMNS if k in inputs})
         p.record(self.step, batch)
         metrics = self.step_metrics(batch, inputs, p.mean_metrics(train_metrics), timer, sync_bytes)
-        return {**metrics, "rollout/policy_lag": float(lag)} if metrics else metrics
+        return {**metrics, **intake, "rollout/policy_lag": float(lag)} if metrics else metrics
 
     def collect_rollouts(self, indices: list[int], timer: Timer) -> tuple[RolloutBatch | None, dict[str, float]]:
         """This rank's scored rows of the step: one generation round, or DAPO's dynamic sampling."""
@@ -143,23 +144,22 @@ class RLTrainer(StepCounters):
 
     def step_metrics(self, batch: RolloutBatch, inputs: dict[str, torch.Tensor], train_metrics: dict[str, float],
                      timer: Timer, sync_bytes: int) -> dict[str, float]:
-        """verl's metric names, over the whole step (leader), {} on the other trainer ranks."""
+        """verl's metric names, over the whole step (leader), {} on the other trainer ranks.
+
+        Why reductions: the data statistics are sums and extremes over rows, so every trainer
+        rank reduces partials of its own rows (collectives: all of them call this) rather than
+        sending its rows to the leader, which at many nodes funnels the step through rank 0.
+        """
         p, cfg = self.placement, self.cfg
-        whole = p.whole_batch(batch)
-        if whole is None:
+        data = data_metrics_reduced(batch.scores(), inputs, cfg.algorithm.sampling.max_new_tokens,
+                                    p.reduce_sum, p.reduce_max)
+        if not p.is_leader:
             return {}
-        self.last_batch = whole
-        if whole is not batch:  # several trainer ranks: the step's tensors again, for every row
-            inputs = whole.model_inputs(p.roles.pad_id)
-            width = inputs["response_mask"].shape[1]
-            for key in UPDATE_COLUMNS:
-                if whole.has(key):
-                    inputs[key] = whole.token_tensor(key, width)
+        self.last_batch = batch  # the leader's own rows: the samples TensorBoard shows
         actor = p.roles.actor
         actor.allocator.probe()  # type: ignore[union-attr]
-        step_seconds = timer.seconds["timing_s/step"]
-        metrics = {**data_metrics(whole.scores(), inputs, cfg.algorithm.sampling.max_new_tokens),
-                   **train_metrics, **timer.seconds, **perf_metrics(inputs, step_seconds),
+        step_seconds, total_tokens = timer.seconds["timing_s/step"], data.pop("perf/total_num_tokens")
+        metrics = {**data, **train_metrics, **timer.seconds, **perf_metrics(total_tokens, step_seconds),
                    **memory_metrics(p.roles.device), **actor.allocator.metrics(),  # type: ignore[union-attr]
                    "actor/policy_version": float(self.policy_version)}
         if sync_bytes or p.last_sync_bytes:

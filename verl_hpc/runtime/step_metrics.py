@@ -1,10 +1,21 @@
-"""Per-step metrics with verl's names, computed from the step's tensors (pure functions)."""
+"""Per-step metrics with verl's names, computed from the step's tensors (pure functions).
+
+`data_metrics` is the definition over one whole batch. The trainer computes the same numbers
+with `data_metrics_reduced`: every statistic is a sum or an extreme over rows, so each trainer
+rank reduces partials of its own rows (two or three small all-reduces) instead of sending its
+rows to rank 0, which at many nodes would funnel the whole step's data through one process.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from verl_hpc.algo import masked_mean, masked_var
+from verl_hpc.algo import masked_mean, masked_sum, masked_var
+
+Reducer = Callable[[torch.Tensor], torch.Tensor]  # a 1-D float64 CPU tensor -> its sum/max over ranks
+MASKED_KEYS = ("advantages", "returns", "values")
 
 
 def _stats(prefix: str, values: torch.Tensor) -> dict[str, float]:
@@ -34,14 +45,128 @@ def data_metrics(scores: torch.Tensor, inputs: dict[str, torch.Tensor], max_new_
         residual_var = masked_var(inputs["returns"] - inputs["values"], mask)
         out["critic/vf_explained_var"] = float(1.0 - residual_var / (masked_var(inputs["returns"], mask) + 1e-8))
     out.update(_stats("response_length", lengths))
-    out["response_length/clip_ratio"] = float((lengths >= max_new_tokens).float().mean())
+    out["response_length/clip_ratio"] = float((lengths >= max_new_tokens).double().mean())
     prompt_tokens = inputs["attention_mask"].sum() - mask.sum()
     out["prompt_length/mean"] = float(prompt_tokens) / mask.shape[0]
     return out
 
 
-def perf_metrics(inputs: dict[str, torch.Tensor], step_seconds: float) -> dict[str, float]:
-    total_tokens = float(inputs["attention_mask"].sum())
+# --- the same numbers from reductions over the trainer ranks -----------------------------------
+
+
+def _largest(x: torch.Tensor) -> torch.Tensor:
+    """Max of `x`, -inf when empty: a rank without such entries leaves a max-reduction unchanged."""
+    return torch.cat([x.reshape(-1), x.new_full((1,), float("-inf"))]).max()
+
+
+def _extremes(maxes: dict[str, torch.Tensor], name: str, x: torch.Tensor,
+              valid: torch.Tensor | None = None) -> None:
+    """Max and negated min of `x` (of its `valid` entries): both reduce with one max."""
+    high, low = x, -x
+    if valid is not None:
+        high, low = high.masked_fill(~valid, float("-inf")), low.masked_fill(~valid, float("-inf"))
+    maxes[f"{name}/max"], maxes[f"{name}/neg_min"] = _largest(high), _largest(low)
+
+
+def local_partials(scores: torch.Tensor, inputs: dict[str, torch.Tensor],
+                   max_new_tokens: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """This rank's row counts and sums (to add up) and maxima (to max), float64 on the inputs' device."""
+    mask = inputs["response_mask"].double()
+    valid = mask != 0
+    lengths = mask.sum(dim=1)
+    scores = scores.to(mask.device, torch.float64)
+    sums = {"rows": mask.new_tensor(float(mask.shape[0])), "score": scores.sum(), "length": lengths.sum(),
+            "clipped": (lengths >= max_new_tokens).sum(), "attention": inputs["attention_mask"].sum(),
+            "response_tokens": mask.sum(), "weight": mask.sum(), "valid": valid.sum()}
+    maxes: dict[str, torch.Tensor] = {}
+    _extremes(maxes, "score", scores)
+    _extremes(maxes, "length", lengths)
+    if "token_rewards" in inputs:
+        rewards = (inputs["token_rewards"].double() * mask).sum(dim=1)
+        sums["rewards"] = rewards.sum()
+        _extremes(maxes, "rewards", rewards)
+    for key in MASKED_KEYS:
+        if key in inputs:
+            sums[key] = masked_sum(inputs[key].double(), mask)
+            _extremes(maxes, key, inputs[key].double(), valid)
+    if "values" in inputs and "returns" in inputs:
+        sums["residual"] = masked_sum(inputs["returns"].double() - inputs["values"].double(), mask)
+    return sums, maxes
+
+
+def deviation_partials(inputs: dict[str, torch.Tensor], sums: dict[str, float]) -> dict[str, torch.Tensor]:
+    """Second pass of the variances: this rank's squared deviations from the *global* means.
+
+    Why two passes: `masked_var` centres first; the one-pass sum-of-squares shortcut loses
+    digits to cancellation when the mean is large next to the spread (returns often are).
+    """
+    mask = inputs["response_mask"].double()
+    weight = sums["weight"] if sums["weight"] != 0 else 1.0
+    returns = inputs["returns"].double()
+    residual = returns - inputs["values"].double()
+    return {"returns": masked_sum((returns - sums["returns"] / weight) ** 2, mask),
+            "residual": masked_sum((residual - sums["residual"] / weight) ** 2, mask)}
+
+
+def _variance(squared_deviations: float, weight: float) -> float:
+    """`masked_var` from global sums: Bessel-corrected (n / (n - 1)) when more than one entry is valid."""
+    var = squared_deviations / (weight if weight != 0 else 1.0)
+    return var * (weight / (weight - 1)) if weight > 1 else var
+
+
+def _stats_of(prefix: str, mean: float, maxes: dict[str, float], name: str) -> dict[str, float]:
+    return {f"{prefix}/mean": mean, f"{prefix}/max": maxes[f"{name}/max"],
+            f"{prefix}/min": -maxes[f"{name}/neg_min"]}
+
+
+def metrics_from_partials(sums: dict[str, float], maxes: dict[str, float],
+                          deviations: dict[str, float]) -> dict[str, float]:
+    """`data_metrics`' keys and `perf/total_num_tokens`, from partials already reduced over the ranks."""
+    rows = sums["rows"] or float("nan")
+    out = _stats_of("critic/score", sums["score"] / rows, maxes, "score")
+    if "rewards" in sums:
+        out.update(_stats_of("critic/rewards", sums["rewards"] / rows, maxes, "rewards"))
+    weight = sums["weight"] if sums["weight"] != 0 else 1.0
+    for key in MASKED_KEYS:
+        if key in sums and sums["valid"] > 0:  # `_masked_stats` leaves out a selection with nothing in it
+            out.update(_stats_of(f"critic/{key}", sums[key] / weight, maxes, key))
+    if deviations:
+        residual_var = _variance(deviations["residual"], sums["weight"])
+        returns_var = _variance(deviations["returns"], sums["weight"])
+        out["critic/vf_explained_var"] = 1.0 - residual_var / (returns_var + 1e-8)
+    out.update(_stats_of("response_length", sums["length"] / rows, maxes, "length"))
+    out["response_length/clip_ratio"] = sums["clipped"] / rows
+    out["prompt_length/mean"] = (sums["attention"] - sums["response_tokens"]) / rows
+    out["perf/total_num_tokens"] = sums["attention"]
+    return out
+
+
+def _reduce(parts: dict[str, torch.Tensor], reducer: Reducer) -> dict[str, float]:
+    """One reduction for all named scalars: packed into one float64 CPU vector (one device sync)."""
+    packed = torch.stack([v.to(torch.float64) for v in parts.values()]).cpu()
+    return dict(zip(parts, reducer(packed).tolist(), strict=True))
+
+
+def data_metrics_reduced(scores: torch.Tensor, inputs: dict[str, torch.Tensor], max_new_tokens: int,
+                         reduce_sum: Reducer, reduce_max: Reducer) -> dict[str, float]:
+    """`data_metrics` over every trainer rank's rows (plus `perf/total_num_tokens`), each rank
+    passing only its own rows.
+
+    Every trainer rank must call it, with the same input keys: the reducers are collectives.
+    That is one sum and one max of a packed vector, and one more sum for
+    `critic/vf_explained_var` (see `deviation_partials`). With one rank the reducers are the
+    identity and the numbers are `data_metrics`' own, computed in float64.
+    """
+    local_sums, local_maxes = local_partials(scores, inputs, max_new_tokens)
+    sums, maxes = _reduce(local_sums, reduce_sum), _reduce(local_maxes, reduce_max)
+    deviations: dict[str, float] = {}
+    if "values" in inputs and "returns" in inputs:
+        deviations = _reduce(deviation_partials(inputs, sums), reduce_sum)
+    return metrics_from_partials(sums, maxes, deviations)
+
+
+def perf_metrics(total_tokens: float, step_seconds: float) -> dict[str, float]:
+    """Tokens (prompt + response, every trainer rank's rows) and throughput of one step."""
     return {"perf/total_num_tokens": total_tokens, "perf/time_per_step": step_seconds,
             "perf/throughput": total_tokens / max(step_seconds, 1e-9)}
 

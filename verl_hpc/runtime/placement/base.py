@@ -194,10 +194,6 @@ class Placement:
         """Every trainer rank's `value`, in rank order, on the leader (None elsewhere)."""
         return [value]
 
-    def whole_batch(self, batch: RolloutBatch) -> RolloutBatch | None:
-        """Every trainer rank's rows on the leader (metrics), None elsewhere."""
-        return batch
-
     def record(self, step: int, batch: RolloutBatch) -> None:
         if self.cfg.data.record_rollouts:
             write_record(self.run_dir, step, self.rank, batch)
@@ -223,7 +219,12 @@ class Placement:
         """Placement-held run state to checkpoint (the split rollout buffer)."""
         return {}
 
-    def extra_files(self, step: int) -> dict[str, bytes] | None:
+    def intake_metrics(self) -> dict[str, float]:
+        """What this step's rollouts cost the trainer side to take in ({} where nothing crosses a wire)."""
+        return {}
+
+    def extra_rank_files(self, step: int) -> dict[str, bytes] | None:
+        """Files this trainer rank adds to its part of checkpoint `step` (the split's rollouts ahead)."""
         return None
 
     def after_resume(self, path: Path, run: dict[str, Any], read_shared: Any = None) -> None:

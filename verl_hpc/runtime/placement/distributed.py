@@ -148,16 +148,6 @@ class DistributedPlacement(Placement):
         dist.gather_object(value, parts if self.is_leader else None, dst=self.leader, group=self.ctx.process_group)
         return parts if self.is_leader else None
 
-    def whole_batch(self, batch: RolloutBatch) -> RolloutBatch | None:
-        if self.world == 1:
-            return batch
-        parts: list[Any] = [None] * self.world if self.is_leader else []
-        dist.gather_object(batch.to_ipc(), parts if self.is_leader else None, dst=self.leader,
-                           group=self.ctx.process_group)
-        if not self.is_leader:
-            return None
-        return RolloutBatch.concat([RolloutBatch.from_ipc(p) for p in parts]).sorted_by_row()
-
     def share_from_leader(self, value: Any) -> Any:
         box = [value]
         dist.broadcast_object_list(box, src=self.leader, group=self.ctx.control_group)

@@ -1,22 +1,25 @@
 """Split: the rollout group generates on devices of its own; rollouts reach the trainers over Arrow Flight.
 
-Why this shape: rollout ranks generate slices of the step's prompt groups and put them to
-trainer rank 0's Flight server; rank 0 files them by step (with `max_staleness: k` the
-rollout runs k steps ahead, and batches not yet trained on are part of the checkpoint),
-hands every trainer rank its rows, and after the update broadcasts the actor's weights to
-the rollout group in buckets. Each rollout is stamped with the policy version it came from.
+Why this shape: rollout ranks generate slices of the step's prompt groups and put each row
+straight to the Flight server of the trainer rank that trains it (intake.py: no rank-0
+funnel). Each trainer rank files what it receives by step; with `max_staleness: k` the
+rollout runs k steps ahead, and the batches a rank has not yet trained on are part of its
+checkpoint. After the update the actor's weights are broadcast to the rollout group in
+buckets. Each rollout is stamped with the policy version it came from.
 """
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
-from verl_hpc.data.layout import even_slices
+from verl_hpc.data.layout import even_owner, even_slices, row_owner
 from verl_hpc.data.rollout_batch import RolloutBatch
 from verl_hpc.roles.weight_sync import (
     STOP_VERSION,
@@ -29,11 +32,11 @@ from verl_hpc.roles.weight_sync import (
 from verl_hpc.runtime import validation
 from verl_hpc.runtime.placement.base import Timer, generate_rows
 from verl_hpc.runtime.placement.distributed import DistributedPlacement
+from verl_hpc.runtime.placement.intake import BUFFER_FILE, RolloutRouter, TrainerIntake, positions
 from verl_hpc.runtime.step_metrics import sync_metrics
 from verl_hpc.utils.logging import get_logger
 
 log = get_logger("placement")
-BUFFER_FILE = "rollout_buffer.arrow"  # rollouts generated ahead (max_staleness > 0), Arrow IPC
 
 
 ROUND_STRIDE = 1 << 40  # dynamic sampling: round r of step s is filed as s + r * ROUND_STRIDE
@@ -67,68 +70,72 @@ class Split(DistributedPlacement):
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        self.pending: dict[int, list[RolloutBatch]] = {}  # leader: rollouts filed by step
         self.resume_step = 0
         self.buffered_steps = 0      # after a resume: steps whose rollouts came from the checkpoint
         self.buffered_for_save = 0
-        self.flight_server: Any = None
-        self.flight_client: Any = None
+        self.intake: TrainerIntake | None = None   # every trainer rank: its endpoint, its rows by step
+        self.router: RolloutRouter | None = None   # every rollout rank: a client per trainer rank
         self.sent_bytes = 0    # rollout rank: the Arrow bytes of this step's batch, for serve_metrics
         self.sent_version = 0  # ... and the policy version that sampled it
         self.connect()
 
     def connect(self) -> None:
-        """Trainer rank 0 serves Flight; the rollout ranks learn its address and connect."""
-        from verl_hpc.data.transport import RolloutFlightClient, RolloutFlightServer, read_run_secret
+        """Every trainer rank serves Flight; every rollout rank learns all their addresses and connects."""
+        from verl_hpc.data.transport import read_run_secret
 
         ctx = self.ctx
         token = read_run_secret(self.run_dir)
-        location: Any = None
-        if ctx.env.rank == self.leader:
-            host = ctx.env.master_addr
-            self.flight_server = RolloutFlightServer(f"grpc://{host}:0", token=token, capacity=8)
-            location = f"grpc://{host}:{self.flight_server.port}"
-        location = self.share_from_leader(location)
+        mine: tuple[int, str] | None = None
+        if self.trains:
+            self.intake = TrainerIntake(self.serving_host(), token, capacity=8)
+            mine = (self.rank, self.intake.location)
+        everyone: list[Any] = [None] * dist.get_world_size(ctx.control_group)
+        dist.all_gather_object(everyone, mine, group=ctx.control_group)
+        locations = [loc for _, loc in sorted(x for x in everyone if x is not None)]
         if ctx.is_role("rollout"):
-            self.flight_client = RolloutFlightClient(location, token=token, producer_id=f"rollout{ctx.rank_in_group}")
+            self.router = RolloutRouter(locations, token, f"rollout{ctx.rank_in_group}")
+
+    def serving_host(self) -> str:
+        """The address this rank's endpoint binds: the job's first host for the leader, as before;
+        elsewhere the node name Slurm knows this node by, or (one machine) the same loopback."""
+        if self.is_leader:
+            return self.ctx.env.master_addr
+        return os.environ.get("SLURMD_NODENAME") or self.ctx.env.master_addr
 
     # --- trainer side ------------------------------------------------------------------------------
     def rollouts(self, step: int, indices: list[int], policy_version: int, timer: Timer,
                  round_: int = 0) -> RolloutBatch | None:
+        """This rank's rows of the step, as the producers sent them here: nothing passes through rank 0."""
         with timer("wait_rollout"):
-            payload: list[Any] = [None]
-            if self.is_leader:
-                full = RolloutBatch.concat(self.receive_rollouts(round_key(step, round_))).sorted_by_row()
-                self.check_staleness(full, policy_version, step)
-                payload = [full.to_ipc()]
-            if self.world > 1:
-                dist.broadcast_object_list(payload, src=self.leader, group=self.ctx.process_group)
-            batch = RolloutBatch.from_ipc(payload[0]).take(self.rows())
+            batch = self.intake.take(round_key(step, round_), len(self.rows()), self.ctx.timeout_seconds,  # type: ignore[union-attr]
+                                     lambda have: self.undelivered(step, have, len(self.rows())))
+            self.check_staleness(batch, policy_version, step)
         return self.score(batch, timer)
 
-    def receive_rollouts(self, step: int) -> list[RolloutBatch]:
-        """This step's batches (every rollout rank's part), or an error naming who did not deliver."""
-        while self.rows_pending(step) < self.cfg.trainer.batch_size:
-            self.pull_rollout(step)
-        return self.pending.pop(step)
+    def intake_metrics(self) -> dict[str, float]:
+        """Rank 0's own intake (the number that must fall as O(batch / W)), the largest rank's, the total.
 
-    def rows_pending(self, step: int) -> int:
-        return sum(len(b) for b in self.pending.get(step, []))
+        Every trainer rank calls it (two reductions). Rollouts restored from a checkpoint count 0."""
+        mine = self.intake.counters()  # type: ignore[union-attr]
+        keys = sorted(mine)
+        values = torch.tensor([float(mine[k]) for k in keys], dtype=torch.float64)
+        largest, total = self.reduce_max(values), self.reduce_sum(values)
+        out = {f"perf/rollout_intake_{k}": float(mine[k]) for k in keys}
+        out.update({f"perf/rollout_intake_{k}_max_rank": float(v) for k, v in zip(keys, largest, strict=True)})
+        out.update({f"perf/rollout_intake_{k}_total": float(v) for k, v in zip(keys, total, strict=True)})
+        return out
 
-    def pull_rollout(self, step: int) -> None:
+    def undelivered(self, step: int, have: int, expected: int) -> str:
         ctx = self.ctx
-        try:
-            batch = self.flight_server.get(timeout=ctx.timeout_seconds)
-        except TimeoutError:
-            ranks = ctx.plan.group_ranks(ctx.plan.group_of_role("rollout").name)
-            raise TimeoutError(
-                f"step {step}: got {self.rows_pending(step)} of {self.cfg.trainer.batch_size} rollouts "
-                f"within timeout_seconds={ctx.timeout_seconds:g}; rollout rank(s) {ranks} did not deliver "
-                "(hint: see logs/rollout_rank*.out)") from None
-        self.pending.setdefault(int(batch.column("step")[0].as_py()), []).append(batch)
+        ranks = ctx.plan.group_ranks(ctx.plan.group_of_role("rollout").name)
+        return (f"step {step}: trainer rank {self.rank} got {have} of its {expected} rollouts within "
+                f"timeout_seconds={ctx.timeout_seconds:g}; rollout rank(s) {ranks} did not deliver "
+                "(hint: see logs/rollout_rank*.out)")
 
     def check_staleness(self, batch: RolloutBatch, policy_version: int, step: int) -> None:
-        lag = policy_version - min(batch.column("policy_version").to_pylist())
+        """Every trainer rank raises alike: the largest lag over all of them decides."""
+        own = policy_version - min(batch.column("policy_version").to_pylist(), default=policy_version)
+        lag = int(self.reduce_max(torch.tensor([own], dtype=torch.float64))[0])
         if lag > self.cfg.algorithm.max_staleness:
             raise RuntimeError(f"step {step}: a rollout is {lag} policy versions old, above "
                                f"algorithm.max_staleness={self.cfg.algorithm.max_staleness}")
@@ -152,19 +159,22 @@ class Split(DistributedPlacement):
         return self.cfg.trainer.total_steps - self.cfg.algorithm.max_staleness - 1
 
     def validation_rollouts(self, step: int, policy_version: int) -> RolloutBatch:
-        """The rollout group generated them with this step's weights; the leader hands out slices."""
-        payload: list[Any] = [None]
-        if self.is_leader:
-            key = val_key(step)
-            expected = len(self.roles.val_prompt_ids or []) * self.cfg.trainer.val_n
-            while self.rows_pending(key) < expected:
-                self.pull_rollout(key)
-            payload = [RolloutBatch.concat(self.pending.pop(key, [])).sorted_by_row().to_ipc()]
-        if self.world > 1:
-            dist.broadcast_object_list(payload, src=self.leader, group=self.ctx.process_group)
-        full = RolloutBatch.from_ipc(payload[0])
-        start, end = even_slices(len(full), self.world, self.rank)
-        return full.take(list(range(start, end)))
+        """The rollout group generated them with this step's weights and sent each rank its slice."""
+        start, end = even_slices(self.validation_rows(), self.world, self.rank)
+        return self.intake.take(val_key(step), end - start, self.ctx.timeout_seconds,  # type: ignore[union-attr]
+                                lambda have: self.undelivered(step, have, end - start) + " (validation)")
+
+    def validation_rows(self) -> int:
+        return len(self.roles.val_prompt_ids or []) * self.cfg.trainer.val_n
+
+    def owners(self, batch: RolloutBatch, validation: bool = False) -> np.ndarray:
+        """The trainer rank of each row: the training layout's, or validation's even slices."""
+        where = positions(batch, self.cfg.algorithm.sampling.n)
+        world = len(self.router.clients)  # type: ignore[union-attr]
+        if validation:
+            return even_owner(where, self.validation_rows(), world)
+        size = self.cfg.trainer.batch_size
+        return row_owner(where, size, self.cfg.algorithm.mini_batch_size or size, world)
 
     def send_split(self, version: int) -> int:
         group = self.ctx.sync_groups.get("rollout")
@@ -186,27 +196,32 @@ class Split(DistributedPlacement):
     def extra_states(self) -> dict[str, Any]:
         return {**super().extra_states(), "buffered_steps": _BufferedSteps(self)}
 
-    def extra_files(self, step: int) -> dict[str, bytes] | None:
-        """Leader: the rollouts already generated for the next steps (sampled from weights that are gone)."""
+    def extra_rank_files(self, step: int) -> dict[str, bytes] | None:
+        """Every trainer rank: its rows of the next steps, already generated (from weights that are gone)."""
         self.buffered_for_save = 0
         last = min(step + self.cfg.algorithm.max_staleness, self.cfg.trainer.total_steps)
-        if not self.is_leader or last <= step:
+        if not self.trains or last <= step:
             return None
+        expected = len(self.rows())
         for future in range(step + 1, last + 1):
-            while self.rows_pending(future) < self.cfg.trainer.batch_size:
-                self.pull_rollout(future)
-        batches = [b for s in range(step + 1, last + 1) for b in self.pending[s]]
+            self.intake.fill(future, expected, self.ctx.timeout_seconds,  # type: ignore[union-attr]
+                             lambda have, future=future: self.undelivered(future, have, expected))
+        batches = [b for s in range(step + 1, last + 1) for b in self.intake.pending[s]]  # type: ignore[union-attr]
         self.buffered_for_save = last - step
         return {BUFFER_FILE: RolloutBatch.concat(batches).to_ipc()}
 
     def after_resume(self, path: Path, run: dict[str, Any], read_shared: Any = None) -> None:
+        """Each trainer rank takes its rows of the checkpointed rollouts, whatever world wrote them."""
         self.resume_step = int(run["step"])
         self.buffered_steps = int(run.get("buffered_steps") or 0)
-        if self.is_leader and self.buffered_steps:
-            batch = RolloutBatch.from_ipc(read_shared(path, BUFFER_FILE))
-            steps = batch.column("step").to_numpy()
-            for s in sorted(set(steps.tolist())):
-                self.pending[int(s)] = [batch.take((steps == s).nonzero()[0])]
+        if not self.trains or not self.buffered_steps:
+            return
+        files = sorted(Path(path).glob(f"rank*/{BUFFER_FILE}")) + sorted(Path(path).glob(BUFFER_FILE))
+        batch = RolloutBatch.concat([RolloutBatch.from_ipc(f.read_bytes()) for f in files])  # older: one shared file
+        size = self.cfg.trainer.batch_size
+        self.intake.restore(batch, lambda b: row_owner(positions(b, self.cfg.algorithm.sampling.n), size,  # type: ignore[union-attr]
+                                                       self.cfg.algorithm.mini_batch_size or size,
+                                                       self.world) == self.rank)
 
     # --- rollout side --------------------------------------------------------------------------------
     def serve(self, step: int, indices: list[int], timer: Timer) -> bool:
@@ -235,10 +250,9 @@ class Split(DistributedPlacement):
             batch = generate_rows(self.roles, self.cfg, step, indices, rows, self.roles.engine.policy_version)  # type: ignore[union-attr]
         with timer("send"):
             try:
-                self.flight_client.put(batch)
+                self.sent_bytes = self.router.put(batch, self.owners(batch))  # type: ignore[union-attr]
             except Exception:  # the trainer shut its server down: a stop
                 return False
-        self.sent_bytes = batch.record_batch.nbytes
         self.sent_version = self.roles.engine.policy_version  # type: ignore[union-attr]
         return not self.cfg.algorithm.filter_groups.enable or self.serve_rounds(step, rows)
 
@@ -271,7 +285,7 @@ class Split(DistributedPlacement):
             batch = generate_rows(self.roles, self.cfg, round_key(step, round_), indices, rows,
                                   self.roles.engine.policy_version)  # type: ignore[union-attr]
             try:
-                self.flight_client.put(batch)
+                self.router.put(batch, self.owners(batch))  # type: ignore[union-attr]
             except Exception:  # the trainer shut its server down: a stop
                 return False
 
@@ -296,7 +310,7 @@ class Split(DistributedPlacement):
                                            self.roles.engine.policy_version, val_key(trained))  # type: ignore[union-attr]
         if len(batch):
             try:
-                self.flight_client.put(batch)
+                self.router.put(batch, self.owners(batch, validation=True))  # type: ignore[union-attr]
             except Exception:  # the trainer shut its server down: a stop, seen at the next receive
                 log.info("validation rows for step %d not delivered: the trainer stopped", trained)
 
@@ -313,10 +327,10 @@ class Split(DistributedPlacement):
     def stop_services(self) -> None:
         """Best effort: tell the rollout (and remote role) ranks to stop, never waiting long on them."""
         super().stop_services()
+        if self.cfg.algorithm.max_staleness > 0 and self.intake is not None:
+            self.intake.shutdown()  # unblocks a rollout waiting on this rank's full buffer
         if not self.is_leader or "rollout" not in self.ctx.sync_groups:
             return
-        if self.cfg.algorithm.max_staleness > 0 and self.flight_server is not None:
-            self.flight_server.shutdown()  # unblocks a rollout waiting on a full buffer
         header = torch.tensor([STOP_VERSION, 0, 0], dtype=torch.int64, device=self.roles.device)
         work = dist.broadcast(header, src=self.ctx.env.rank, group=self.ctx.sync_groups["rollout"], async_op=True)
         try:
@@ -326,7 +340,7 @@ class Split(DistributedPlacement):
 
     def close(self) -> None:
         super().close()
-        if self.flight_client is not None:
-            self.flight_client.close()
-        if self.flight_server is not None:
-            self.flight_server.shutdown()
+        if self.router is not None:
+            self.router.close()
+        if self.intake is not None:
+            self.intake.shutdown()

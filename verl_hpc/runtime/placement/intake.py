@@ -1,0 +1,113 @@
+"""Rollouts go straight from the producer to the trainer rank that trains them: no rank-0 funnel.
+
+Why: with one Flight endpoint on trainer rank 0, every rollout byte of a step crossed that
+rank's NIC twice — in from the producers, out again in its broadcast to every other rank
+(OpenRLHF#533 measured the broadcast at > 40% of a step; NeMo-RL#945 hit the same wall at
+≥ 512 GPUs). Here every trainer rank serves its own endpoint. A producer knows, from the
+pure layout of data/layout.py, which rank holds each row (`row_owner`), so it splits its
+batch and puts each part to its owner. Whole prompt groups land on one rank whenever the
+estimator needs them to (`whole_groups`, checked by the config), so group advantages need
+no gather. A rank receives only its own rows: O(batch / W) bytes per rank per step.
+
+What each side holds:
+- `TrainerIntake` (every trainer rank): its server, and the batches it has received,
+  filed by step key until it has all `expected` rows of a key.
+- `RolloutRouter` (every rollout rank): one client per trainer rank; `put` sends each
+  owner its part, skipping ranks that get no rows of this batch.
+
+The dedup, back-pressure and reconnect guarantees are the transport's own
+(data/transport/), now per (producer, trainer rank) pair; the run secret is the same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from verl_hpc.data.rollout_batch import RolloutBatch
+
+BUFFER_FILE = "rollout_buffer.arrow"  # a rank's rollouts generated ahead (max_staleness > 0), Arrow IPC
+
+
+class TrainerIntake:
+    """One trainer rank's Flight endpoint and what it received, filed by step key."""
+
+    def __init__(self, host: str, token: str, capacity: int = 8) -> None:
+        from verl_hpc.data.transport import RolloutFlightServer
+
+        self.server = RolloutFlightServer(f"grpc://{host}:0", token=token, capacity=capacity)
+        self.pending: dict[int, list[RolloutBatch]] = {}
+        self.received = {"bytes": 0, "messages": 0, "rows": 0}  # taken off the wire since the last `counters()`
+
+    @property
+    def location(self) -> str:
+        return self.server.location
+
+    def count(self, key: int) -> int:
+        return sum(len(b) for b in self.pending.get(key, []))
+
+    def take(self, key: int, expected: int, timeout: float, missing: Callable[[int], str]) -> RolloutBatch:
+        """All `expected` rows filed under `key`, in row order; `missing(have)` words a timeout."""
+        while self.count(key) < expected:
+            self.pull(timeout, lambda: missing(self.count(key)))
+        return RolloutBatch.concat(self.pending.pop(key, [])).sorted_by_row()
+
+    def pull(self, timeout: float, missing: Callable[[], str]) -> None:
+        """One more batch off the wire, filed by its `step` column."""
+        try:
+            batch = self.server.get(timeout=timeout)
+        except TimeoutError:
+            raise TimeoutError(missing()) from None
+        self.received["bytes"] += batch.record_batch.nbytes
+        self.received["messages"] += 1
+        self.received["rows"] += len(batch)
+        self.pending.setdefault(int(batch.column("step")[0].as_py()), []).append(batch)
+
+    def fill(self, key: int, expected: int, timeout: float, missing: Callable[[int], str]) -> None:
+        """Wait until `key` has all its rows, keeping them filed (a checkpoint about to save them)."""
+        while self.count(key) < expected:
+            self.pull(timeout, lambda: missing(self.count(key)))
+
+    def counters(self) -> dict[str, int]:
+        """Bytes, batches and rows received since the last call (this rank's intake in a step)."""
+        out = dict(self.received)
+        self.received = dict.fromkeys(out, 0)
+        return out
+
+    def restore(self, batch: RolloutBatch, mine: Callable[[RolloutBatch], np.ndarray]) -> None:
+        """Checkpointed rollouts of later steps: keep the rows `mine` selects, filed by step."""
+        batch = batch.take(np.nonzero(mine(batch))[0])
+        steps = batch.column("step").to_numpy()
+        for step in sorted(set(steps.tolist())):
+            self.pending[int(step)] = [batch.take(np.nonzero(steps == step)[0])]
+
+    def shutdown(self) -> None:
+        self.server.shutdown()
+
+
+class RolloutRouter:
+    """A rollout rank's clients, one per trainer rank; each batch is split by owner."""
+
+    def __init__(self, locations: list[str], token: str, producer_id: str) -> None:
+        from verl_hpc.data.transport import RolloutFlightClient
+
+        self.clients = [RolloutFlightClient(loc, token=token, producer_id=producer_id) for loc in locations]
+
+    def put(self, batch: RolloutBatch, owners: np.ndarray) -> int:
+        """Each trainer rank its rows of `batch` (`owners[i]`: row i's rank); returns the bytes sent."""
+        sent = 0
+        for rank in np.unique(owners).tolist():
+            part = batch.take(np.nonzero(owners == rank)[0])
+            self.clients[int(rank)].put(part)
+            sent += part.record_batch.nbytes
+        return sent
+
+    def close(self) -> None:
+        for client in self.clients:
+            client.close()
+
+
+def positions(batch: RolloutBatch, group_size: int) -> np.ndarray:
+    """Each row's place in its step (`group_id * n + sample_index`, data/layout.py)."""
+    return batch.column("group_id").to_numpy() * group_size + batch.column("sample_index").to_numpy()
