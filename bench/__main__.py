@@ -26,12 +26,13 @@ BENCHMARKS = {"checkpoint": "bench.checkpoint", "transport": "bench.transport",
               "scaling": "bench.scaling", "placement": "bench.placement",
               "placement_gpu": "bench.placement_gpu", "preemption": "bench.preemption",
               "logprob_memory": "bench.logprob_memory", "presets": "bench.presets",
-              "memory": "bench.memory"}
+              "memory": "bench.memory", "scale_model": "bench.scale_model"}
 # Not in `all`: it needs the local Slurm cluster and minutes of its time (`preemption --slurm`).
 OPT_IN = {"preemption_slurm": "bench.preemption_slurm",
           "versions": "bench.versions",  # also not in `all`: a git worktree of another revision, minutes
           "step_smollm2": "bench.step_smollm2",  # and the real-model step: a built model, TRL's venv, minutes
-          "soak": "bench.soak"}  # and the leak soak: thousands of steps, minutes (CI: tests/test_soak.py)
+          "soak": "bench.soak",  # and the leak soak: thousands of steps, minutes (CI: tests/test_soak.py)
+          "step_memory": "bench.step_memory"}  # and a whole SmolLM2 step's peak memory per switch, minutes
 # `--model NAME` picks a benchmark's real-model variant: (benchmark, model) -> the module's name above.
 MODEL_VARIANTS = {("step", "smollm2"): "step_smollm2"}
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -27,7 +27,7 @@ def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.Comp
     scratch = tmp_path_factory.mktemp("bench_scratch")
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run([sys.executable, "-m", "bench", "all", "--quick", "--out", str(out), "--dir", str(scratch)],
-                          cwd=REPO, env=env, text=True, capture_output=True, timeout=900)
+                          cwd=REPO, env=env, text=True, capture_output=True, timeout=1200)
     return proc, out
 
 
@@ -96,3 +96,44 @@ def test_smollm2_step_without_the_model_is_skipped_with_the_fix(monkeypatch: pyt
     result = step_smollm2.run(quick=True)
     assert "tools/make_smollm2.py" in result["skipped"]
     assert step_smollm2.table(result).endswith(result["skipped"])
+
+
+def test_step_memory_without_the_model_is_skipped_with_the_fix(monkeypatch: pytest.MonkeyPatch,
+                                                                 tmp_path: Path) -> None:
+    import bench.step_memory as step_memory
+
+    monkeypatch.setattr(step_memory, "SMOLLM2", tmp_path / "absent")
+    result = step_memory.run(quick=True)
+    assert "tools/make_smollm2.py" in result["skipped"]
+    assert step_memory.table(result).endswith(result["skipped"])
+
+
+def test_model_state_bound_counts_five_fp32_copies(tiny_model_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from bench.step_memory import model_state_bytes
+
+    params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(str(tiny_model_dir)).parameters())
+    assert model_state_bytes(tiny_model_dir) == 5 * 4 * params
+
+
+@pytest.mark.slow
+def test_step_memory_measures_whole_smollm2_steps(tmp_path: Path) -> None:
+    """`bench step_memory --quick`: two real `verl-hpc train` runs of SmolLM2, their peaks read back."""
+    import importlib.util
+
+    import bench.step_memory as step_memory
+
+    spec = importlib.util.spec_from_file_location("make_smollm2", REPO / "tools" / "make_smollm2.py")
+    maker = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(maker)  # type: ignore[union-attr]
+    assert Path(maker.build()) == step_memory.SMOLLM2
+    result = step_memory.run(quick=True, scratch=str(tmp_path))
+    weights = step_memory.model_state_bytes(step_memory.SMOLLM2) / 5
+    for name in ("plain", "all"):
+        variant = result["variants"][name]
+        assert "failed" not in variant, variant
+        assert variant["rank_peak_rss_gb"] * 2**30 > weights  # the run held at least the policy's weights
+        assert variant["peak_rss_bytes"] >= variant["rank_peak_rss_gb"] * 2**30 * 0.9
+        assert len(variant["step_s"]) == 2
+    assert "target: peak <= bound" in step_memory.table(result)

@@ -1,0 +1,147 @@
+"""Peak memory of a whole GRPO step on SmolLM2-135M-Instruct, each memory switch set against none.
+
+Why beside `bench memory`: that one measures the actor's update alone, in a process that
+holds nothing else. A user's step also holds the reference policy, generates (KV cache,
+the tokenizer, the prompts), scores, and computes old and reference log-probs; issue 16's
+10.2-13.7 GB was such a step. This runs the real thing — `verl-hpc train
+configs/smollm2_gsm8k.yaml` at issue 16's shape (8 prompts x 4 samples, 64 new tokens, KL
+on so the reference exists, 2 steps so AdamW's state exists) — once per variant, each in
+a fresh process, and samples the resident set of its process tree every 0.1 s (psutil,
+bench/placement.py's watcher). The figure held to the bound is the run's own
+`memory/peak_rss_gb` at its last step, logged before the final checkpoint is written (its
+staging copy is `bench checkpoint`'s subject); the tree's peak, save included, is shown
+beside it.
+
+The bound it is held to is issue 16's: 1.5 x (weights + gradients + AdamW's two moments +
+the reference's weights), all fp32 — 5 copies of the parameters, ~2.7 GB for SmolLM2, so
+~4.0 GB.
+
+    .venv/bin/python -m bench step_memory        # minutes: opt-in, not part of `bench all`
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+from bench.logprob_memory import SMOLLM2
+from bench.placement import _watch_peak
+
+REPO = Path(__file__).resolve().parents[1]
+BOUND_FACTOR = 1.5
+PLAIN = ["model.logprob_chunk_tokens=0", "model.remove_padding=false", "model.gradient_checkpointing=false"]
+ALL = ["model.remove_padding=true", "model.gradient_checkpointing=true"]
+VARIANTS: dict[str, list[str]] = {
+    "plain": PLAIN,                                    # whole logits, padded rows, every activation kept
+    "defaults": [],                                    # chunked log-probs (the default)
+    "remove_padding": ["model.remove_padding=true"],
+    "gradient_checkpointing": ["model.gradient_checkpointing=true"],
+    "all": ALL,
+    "all_lora_r16": [*ALL, "model.lora={rank: 16, alpha: 32}"],
+}
+SHAPE = ["trainer.batch_size=32", "algorithm.sampling.n=4", "algorithm.sampling.max_new_tokens=64",
+         "trainer.total_steps=2", "checkpoint.interval_steps=100", "trainer.torch_threads=2",
+         "logging.progress=off", "algorithm.kl.coef=0.001"]
+QUICK_SHAPE = [*SHAPE, "trainer.batch_size=4", "algorithm.sampling.n=2", "algorithm.sampling.max_new_tokens=8"]
+
+
+def _gsm8k(out_dir: Path) -> Path:
+    spec = importlib.util.spec_from_file_location("make_data", REPO / "examples" / "gsm8k" / "make_data.py")
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module.write(out_dir, count=64)
+
+
+def model_state_bytes(model_dir: Path) -> int:
+    """5 fp32 copies of the parameters: weights, gradients, AdamW's two moments, the reference."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with __import__("torch").device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(model_dir)))
+    return 5 * 4 * sum(p.numel() for p in model.parameters())
+
+
+def measure(name: str, overrides: list[str], data: Path, work: Path, shape: list[str] = SHAPE) -> dict[str, Any]:
+    """One fresh `verl-hpc train` run: its process tree's peak RSS and its steps' seconds."""
+    run_dir = work / name
+    cmd = [sys.executable, "-m", "verl_hpc", "train", str(REPO / "configs" / "smollm2_gsm8k.yaml"),
+           "--run-dir", str(run_dir), f"model.path={SMOLLM2}", f"data.train_files=[{data}]", *shape, *overrides]
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
+    peak = [0]
+    with subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                          text=True) as popen:
+        watcher = threading.Thread(target=_watch_peak, args=(popen, peak), daemon=True)
+        watcher.start()
+        _, err = popen.communicate(timeout=3600)
+        watcher.join()
+    if popen.returncode != 0:
+        return {"failed": f"exit {popen.returncode}: {err[-1500:]}"}
+    rows = [json.loads(line) for line in (run_dir / "tensorboard" / "metrics.jsonl").read_text().splitlines()]
+    return {"peak_rss_bytes": peak[0], "step_s": [r["timing_s/step"] for r in rows],
+            "rank_peak_rss_gb": max(r.get("memory/peak_rss_gb", 0.0) for r in rows),
+            "score": rows[-1].get("critic/score/mean")}
+
+
+def run(quick: bool = False, scratch: str | None = None) -> dict[str, Any]:
+    shape = QUICK_SHAPE if quick else SHAPE  # quick: a smoke test of the code at a toy shape
+    out: dict[str, Any] = {"quick": quick, "shape": shape, "variants": {}, "ratios": {}}
+    if not (SMOLLM2 / "config.json").exists():
+        out["skipped"] = f"{SMOLLM2} missing: run `.venv/bin/python tools/make_smollm2.py`"
+        return out
+    bound = BOUND_FACTOR * model_state_bytes(SMOLLM2)
+    out["bound_bytes"] = bound
+    work = Path(tempfile.mkdtemp(prefix="verl_hpc_bench_step_memory_", dir=scratch))
+    try:
+        data = _gsm8k(work / "gsm8k")
+        names = ["plain", "all"] if quick else list(VARIANTS)
+        out["variants"] = {name: measure(name, VARIANTS[name], data, work, shape) for name in names}
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    plain = out["variants"]["plain"].get("peak_rss_bytes")
+    for name, v in out["variants"].items():
+        if "peak_rss_bytes" in v:
+            out["ratios"][f"peak_vs_bound/{name}"] = _one(_step_peak(v) / bound)
+            if plain and name != "plain":
+                out["ratios"][f"peak_vs_plain/{name}"] = _one(_step_peak(v) / _step_peak(out["variants"]["plain"]))
+    return out
+
+
+def _step_peak(variant: dict[str, Any]) -> float:
+    """Bytes: the process's peak through its last step, before the final checkpoint."""
+    return variant["rank_peak_rss_gb"] * 2**30
+
+
+def _one(value: float) -> dict[str, float]:
+    return {"median": value, "min": value, "max": value}
+
+
+def table(result: dict[str, Any]) -> str:
+    if result.get("skipped"):
+        return f"whole-step memory (SmolLM2): skipped: {result['skipped']}"
+    bound = result["bound_bytes"]
+    lines = [f"whole GRPO step on SmolLM2-135M-Instruct, {' '.join(result['shape'][:3])}; peak RSS of the "
+             f"process tree; bound = {BOUND_FACTOR} x (weights + grads + AdamW + ref) = {bound / 1e9:.2f} GB",
+             f"{'variant':<24}{'step peak GB':>13}{'x bound':>9}{'x plain':>9}{'with save GB':>13}{'s/step':>9}"]
+    plain_v = result["variants"].get("plain", {})
+    plain = _step_peak(plain_v) if "peak_rss_bytes" in plain_v else None
+    for name, v in result["variants"].items():
+        if "failed" in v:
+            lines.append(f"{name:<24} failed: {v['failed'][-300:]}")
+            continue
+        peak = _step_peak(v)
+        vs_plain = f"{peak / plain:>9.2f}" if plain else f"{'-':>9}"
+        lines.append(f"{name:<24}{peak / 1e9:>13.2f}{peak / bound:>9.2f}{vs_plain}{v['peak_rss_bytes'] / 1e9:>13.2f}"
+                     f"{v['step_s'][-1]:>9.1f}")
+    best = min((_step_peak(v) for v in result["variants"].values() if "peak_rss_bytes" in v), default=None)
+    if best is not None:
+        lines.append(f"target: peak <= bound with the switches on: {'met' if best <= bound else 'MISSED'} "
+                     f"({best / bound:.2f}x at best)")
+    return "\n".join(lines)
