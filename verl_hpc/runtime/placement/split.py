@@ -140,7 +140,6 @@ class Split(DistributedPlacement):
             raise RuntimeError(f"step {step}: a rollout is {lag} policy versions old, above "
                                f"algorithm.max_staleness={self.cfg.algorithm.max_staleness}")
 
-
     def sync_weights(self, version: int, changed: bool) -> int:
         """Every step (the rollout ranks expect it) until the rollout has generated its last batch;
         after that only for a step that is validated (`validation_tail`)."""
