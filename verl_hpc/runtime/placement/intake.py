@@ -21,6 +21,7 @@ The dedup, back-pressure and reconnect guarantees are the transport's own
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Callable
 
 import numpy as np
@@ -28,6 +29,29 @@ import numpy as np
 from verl_hpc.data.rollout_batch import RolloutBatch
 
 BUFFER_FILE = "rollout_buffer.arrow"  # a rank's rollouts generated ahead (max_staleness > 0), Arrow IPC
+
+
+def bind_host(master_addr: str, is_leader: bool) -> str:
+    """Where a trainer rank's endpoint listens.
+
+    The leader binds the job's first host, as it always has. Another rank binds the same
+    address when that is a loopback one (the whole job is on one machine); else it binds
+    every interface and is advertised by this node's hostname (`RolloutFlightServer.location`):
+    Slurm's node names need not resolve (a local cluster's do not), its hostnames do.
+    The endpoint takes only clients that present the run's secret.
+    """
+    if is_leader or _loopback(master_addr):
+        return master_addr
+    return "0.0.0.0"
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 class TrainerIntake:

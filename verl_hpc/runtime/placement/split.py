@@ -10,7 +10,6 @@ buckets. Each rollout is stamped with the policy version it came from.
 
 from __future__ import annotations
 
-import os
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -32,7 +31,7 @@ from verl_hpc.roles.weight_sync import (
 from verl_hpc.runtime import validation
 from verl_hpc.runtime.placement.base import Timer, generate_rows
 from verl_hpc.runtime.placement.distributed import DistributedPlacement
-from verl_hpc.runtime.placement.intake import BUFFER_FILE, RolloutRouter, TrainerIntake, positions
+from verl_hpc.runtime.placement.intake import BUFFER_FILE, RolloutRouter, TrainerIntake, bind_host, positions
 from verl_hpc.runtime.step_metrics import sync_metrics
 from verl_hpc.utils.logging import get_logger
 
@@ -87,20 +86,13 @@ class Split(DistributedPlacement):
         token = read_run_secret(self.run_dir)
         mine: tuple[int, str] | None = None
         if self.trains:
-            self.intake = TrainerIntake(self.serving_host(), token, capacity=8)
+            self.intake = TrainerIntake(bind_host(ctx.env.master_addr, self.is_leader), token, capacity=8)
             mine = (self.rank, self.intake.location)
         everyone: list[Any] = [None] * dist.get_world_size(ctx.control_group)
         dist.all_gather_object(everyone, mine, group=ctx.control_group)
         locations = [loc for _, loc in sorted(x for x in everyone if x is not None)]
         if ctx.is_role("rollout"):
             self.router = RolloutRouter(locations, token, f"rollout{ctx.rank_in_group}")
-
-    def serving_host(self) -> str:
-        """The address this rank's endpoint binds: the job's first host for the leader, as before;
-        elsewhere the node name Slurm knows this node by, or (one machine) the same loopback."""
-        if self.is_leader:
-            return self.ctx.env.master_addr
-        return os.environ.get("SLURMD_NODENAME") or self.ctx.env.master_addr
 
     # --- trainer side ------------------------------------------------------------------------------
     def rollouts(self, step: int, indices: list[int], policy_version: int, timer: Timer,
