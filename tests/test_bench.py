@@ -88,24 +88,16 @@ def test_model_flag_picks_the_real_model_variant(capsys: pytest.CaptureFixture[s
     assert "--model smollm2 goes with: step" in capsys.readouterr().err
 
 
-def test_smollm2_step_without_the_model_is_skipped_with_the_fix(monkeypatch: pytest.MonkeyPatch,
-                                                                  tmp_path: Path) -> None:
-    import bench.step_smollm2 as step_smollm2
+@pytest.mark.parametrize("module", ["bench.step_smollm2", "bench.step_memory"])
+def test_a_smollm2_benchmark_without_the_model_is_skipped_with_the_fix(monkeypatch: pytest.MonkeyPatch,
+                                                                         tmp_path: Path, module: str) -> None:
+    import importlib
 
-    monkeypatch.setattr(step_smollm2, "SMOLLM2", tmp_path / "absent")
-    result = step_smollm2.run(quick=True)
+    bench_module = importlib.import_module(module)
+    monkeypatch.setattr(bench_module, "SMOLLM2", tmp_path / "absent")
+    result = bench_module.run(quick=True)
     assert "tools/make_smollm2.py" in result["skipped"]
-    assert step_smollm2.table(result).endswith(result["skipped"])
-
-
-def test_step_memory_without_the_model_is_skipped_with_the_fix(monkeypatch: pytest.MonkeyPatch,
-                                                                 tmp_path: Path) -> None:
-    import bench.step_memory as step_memory
-
-    monkeypatch.setattr(step_memory, "SMOLLM2", tmp_path / "absent")
-    result = step_memory.run(quick=True)
-    assert "tools/make_smollm2.py" in result["skipped"]
-    assert step_memory.table(result).endswith(result["skipped"])
+    assert bench_module.table(result).endswith(result["skipped"])
 
 
 def test_model_state_bound_counts_five_fp32_copies(tiny_model_dir: Path) -> None:

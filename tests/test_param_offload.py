@@ -95,16 +95,21 @@ def _numbers(run_dir: Path) -> list[dict[str, float]]:
             for row in rows]
 
 
-def test_a_ppo_run_with_ref_and_critic_offload_trains_to_the_numbers_of_one_without(
-        tmp_path: Path, tiny_model_dir: Path) -> None:
-    common = [f"model.path={tiny_model_dir}", "trainer.total_steps=4", "trainer.batch_size=16",
-              "logging.progress=off", "trainer.save_hf_model=false"]
+def ppo_with_and_without_offload(tmp_path: Path, *common: str) -> dict[str, Path]:
+    """Two `quickstart_ppo` runs, `plain` and `offload` (ref and critic), their run directories."""
     runs = {}
     for name, extra in (("plain", []), ("offload", ["model.param_offload.ref=true",
                                                      "model.param_offload.critic=true"])):
         runs[name] = tmp_path / name
         proc = run_cli("train", "configs/quickstart_ppo.yaml", "--run-dir", str(runs[name]), *common, *extra)
         assert proc.returncode == 0, proc.stderr[-3000:]
+    return runs
+
+
+def test_a_ppo_run_with_ref_and_critic_offload_trains_to_the_numbers_of_one_without(
+        tmp_path: Path, tiny_model_dir: Path) -> None:
+    runs = ppo_with_and_without_offload(tmp_path, f"model.path={tiny_model_dir}", "trainer.total_steps=4",
+                                        "trainer.batch_size=16", "logging.progress=off", "trainer.save_hf_model=false")
     plain, offloaded = _numbers(runs["plain"]), _numbers(runs["offload"])
     assert len(plain) == 4 and "critic/vf_loss" in plain[-1] and "actor/kl" in json.dumps(plain)
     assert offloaded == copy.deepcopy(plain)

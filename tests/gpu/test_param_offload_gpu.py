@@ -15,8 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.conftest import run_cli
 from tests.gpu.test_gpu_paths import ON_GPU, _logs, _metrics
+from tests.test_param_offload import ppo_with_and_without_offload
 from verl_hpc.roles.forward import response_logprobs
 from verl_hpc.roles.offload import ParamOffload
 
@@ -85,14 +85,8 @@ def test_a_sharded_offloaded_ref_keeps_its_shards_in_host_memory(tiny_model_dir:
 
 def test_a_ppo_run_on_cuda_with_ref_and_critic_offload_matches_one_without(tmp_path: Path,
                                                                             tiny_model_dir: Path) -> None:
-    common = [f"model.path={tiny_model_dir}", "trainer.total_steps=6", "logging.progress=off",
-              "model.mixed_precision=none", *ON_GPU]
-    runs = {}
-    for name, extra in (("plain", []), ("offload", ["model.param_offload.ref=true",
-                                                     "model.param_offload.critic=true"])):
-        runs[name] = tmp_path / name
-        proc = run_cli("train", "configs/quickstart_ppo.yaml", "--run-dir", str(runs[name]), *common, *extra)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = ppo_with_and_without_offload(tmp_path, f"model.path={tiny_model_dir}", "trainer.total_steps=6",
+                                        "logging.progress=off", "model.mixed_precision=none", *ON_GPU)
     assert "offloaded to host memory between passes" in _logs(runs["offload"])
     plain, offloaded = _metrics(runs["plain"]), _metrics(runs["offload"])
     for a, b in zip(plain, offloaded, strict=True):
