@@ -73,8 +73,7 @@ class TrainerIntake:
 
     def take(self, key: int, expected: int, timeout: float, missing: Callable[[int], str]) -> RolloutBatch:
         """All `expected` rows filed under `key`, in row order; `missing(have)` words a timeout."""
-        while self.count(key) < expected:
-            self.pull(timeout, lambda: missing(self.count(key)))
+        self.fill(key, expected, timeout, missing)
         return RolloutBatch.concat(self.pending.pop(key, [])).sorted_by_row()
 
     def pull(self, timeout: float, missing: Callable[[], str]) -> None:
