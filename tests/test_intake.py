@@ -82,6 +82,7 @@ def test_restored_rollouts_are_refiled_for_this_rank_only() -> None:
         intake.restore(saved, lambda b: row_owner(positions(b, 2), 8, 8, 2) == 1)
         assert sorted(intake.pending) == [7, 8]
         assert positions(intake.take(7, 4, 1.0, str), 2).tolist() == [4, 5, 6, 7]
+        assert len(intake.take(9, 0, 0.2, str)) == 0  # a rank with no rows of a key gets an empty batch
         with pytest.raises(TimeoutError, match="only 4"):
             intake.take(8, 5, 0.2, lambda have: f"only {have}")
     finally:

@@ -96,3 +96,20 @@ def test_validation_needs_readable_files(tmp_path: Path, tiny_model_dir: Path) -
     data = config(tiny_model_dir, tmp_path / "missing.parquet")
     with pytest.raises(ConfigError, match=r"data.val_files\[0\]: .* does not exist"):
         load_config(data=data)
+
+
+@pytest.mark.slow
+def test_fewer_validation_prompts_than_trainer_ranks(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """One held-out prompt, two trainer ranks: the producer sends it to rank 0, rank 1 validates nothing."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    val = tmp_path / "one.parquet"
+    pq.write_table(pa.Table.from_pylist([{"prompt": "1+2=", "ground_truth": "3", "data_source": "arith"}]), val)
+    proc = run_cli("train", "configs/quickstart_split.yaml", "--run-dir", str(tmp_path / "run"),
+                   f"model.path={tiny_model_dir}", "trainer.total_steps=2", "logging.progress=off",
+                   f"data.val_files=[{val}]", "trainer.test_freq=2", "trainer.val_before_train=true",
+                   "trainer.save_hf_model=false")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_jsonl_metrics(tmp_path / "run" / "tensorboard" / "metrics.jsonl")
+    assert any("val-core/arith/reward/mean@1" in r for r in rows)

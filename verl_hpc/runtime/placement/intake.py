@@ -25,8 +25,9 @@ import ipaddress
 from collections.abc import Callable
 
 import numpy as np
+import pyarrow as pa
 
-from verl_hpc.data.rollout_batch import RolloutBatch
+from verl_hpc.data.rollout_batch import SCHEMA, RolloutBatch
 
 BUFFER_FILE = "rollout_buffer.arrow"  # a rank's rollouts generated ahead (max_staleness > 0), Arrow IPC
 
@@ -74,7 +75,10 @@ class TrainerIntake:
     def take(self, key: int, expected: int, timeout: float, missing: Callable[[int], str]) -> RolloutBatch:
         """All `expected` rows filed under `key`, in row order; `missing(have)` words a timeout."""
         self.fill(key, expected, timeout, missing)
-        return RolloutBatch.concat(self.pending.pop(key, [])).sorted_by_row()
+        batches = self.pending.pop(key, [])
+        if not batches:  # a rank with no rows of it (fewer validation prompts than trainer ranks)
+            return RolloutBatch(pa.RecordBatch.from_pylist([], schema=SCHEMA))
+        return RolloutBatch.concat(batches).sorted_by_row()
 
     def pull(self, timeout: float, missing: Callable[[], str]) -> None:
         """One more batch off the wire, filed by its `step` column."""
