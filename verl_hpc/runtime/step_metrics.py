@@ -77,7 +77,7 @@ def local_partials(scores: torch.Tensor, inputs: dict[str, torch.Tensor],
     scores = scores.to(mask.device, torch.float64)
     sums = {"rows": mask.new_tensor(float(mask.shape[0])), "score": scores.sum(), "length": lengths.sum(),
             "clipped": (lengths >= max_new_tokens).sum(), "attention": inputs["attention_mask"].sum(),
-            "response_tokens": mask.sum(), "weight": mask.sum(), "valid": valid.sum()}
+            "weight": mask.sum(), "valid": valid.sum()}  # weight: the response tokens (the mask's sum)
     maxes: dict[str, torch.Tensor] = {}
     _extremes(maxes, "score", scores)
     _extremes(maxes, "length", lengths)
@@ -136,7 +136,7 @@ def metrics_from_partials(sums: dict[str, float], maxes: dict[str, float],
         out["critic/vf_explained_var"] = 1.0 - residual_var / (returns_var + 1e-8)
     out.update(_stats_of("response_length", sums["length"] / rows, maxes, "length"))
     out["response_length/clip_ratio"] = sums["clipped"] / rows
-    out["prompt_length/mean"] = (sums["attention"] - sums["response_tokens"]) / rows
+    out["prompt_length/mean"] = (sums["attention"] - sums["weight"]) / rows
     out["perf/total_num_tokens"] = sums["attention"]
     return out
 
