@@ -158,10 +158,11 @@ class Split(DistributedPlacement):
     def validation_rows(self) -> int:
         return len(self.roles.val_prompt_ids or []) * self.cfg.trainer.val_n
 
-    def owners(self, batch: RolloutBatch, validation: bool = False) -> np.ndarray:
-        """The trainer rank of each row: the training layout's, or validation's even slices."""
+    def owners(self, batch: RolloutBatch, validation: bool = False, world: int | None = None) -> np.ndarray:
+        """The trainer rank of each row (of `world`, default: every trainer rank this rollout rank
+        sends to): the training layout's, or validation's even slices."""
         where = positions(batch, self.cfg.algorithm.sampling.n)
-        world = len(self.router.clients)  # type: ignore[union-attr]
+        world = world if world is not None else len(self.router.clients)  # type: ignore[union-attr]
         if validation:
             return even_owner(where, self.validation_rows(), world)
         size = self.cfg.trainer.batch_size
@@ -209,10 +210,7 @@ class Split(DistributedPlacement):
             return
         files = sorted(Path(path).glob(f"rank*/{BUFFER_FILE}")) + sorted(Path(path).glob(BUFFER_FILE))
         batch = RolloutBatch.concat([RolloutBatch.from_ipc(f.read_bytes()) for f in files])  # older: one shared file
-        size = self.cfg.trainer.batch_size
-        self.intake.restore(batch, lambda b: row_owner(positions(b, self.cfg.algorithm.sampling.n), size,  # type: ignore[union-attr]
-                                                       self.cfg.algorithm.mini_batch_size or size,
-                                                       self.world) == self.rank)
+        self.intake.restore(batch, lambda b: self.owners(b, world=self.world) == self.rank)  # type: ignore[union-attr]
 
     # --- rollout side --------------------------------------------------------------------------------
     def serve(self, step: int, indices: list[int], timer: Timer) -> bool:
