@@ -21,7 +21,8 @@ import pytest
 
 from verl_hpc.config.placement import ProcessPlan, plan_processes
 from verl_hpc.config.resources import ResourceConfig, RoleResources
-from verl_hpc.launch.local import LaunchTimeout, LocalLauncher, WorkerFailure, describe_exit, worker_env
+from verl_hpc.launch.local import (LaunchTimeout, LocalLauncher, WorkerFailure, crash_excerpt, describe_exit,
+                                   worker_env)
 
 ENV_KEYS = ("VERL_HPC_RANK", "VERL_HPC_WORLD_SIZE", "VERL_HPC_LOCAL_RANK", "VERL_HPC_GROUP",
             "VERL_HPC_GROUP_RANK", "MASTER_ADDR", "MASTER_PORT", "VERL_HPC_RUN_DIR", "CUDA_VISIBLE_DEVICES")
@@ -65,6 +66,16 @@ elif action == "kill":
     wait_for_everyone()
     print("about to die", flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
+elif action == "abort":  # a native crash: the C++ runtime's words, then faulthandler's dump of every thread
+    import faulthandler, threading
+    faulthandler.enable(all_threads=True)
+    for _ in range(3):
+        threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
+    wait_for_everyone()
+    print("terminate called after throwing an instance of 'gloo::EnforceNotMet'", file=sys.stderr, flush=True)
+    print("  what():  [enforce fail at pair.cc:446] op.preamble.length <= op.nbytes. 8 vs 4", file=sys.stderr,
+          flush=True)
+    os.abort()
 elif action == "exit3":
     wait_for_everyone()
     print("exiting with 3", flush=True)
@@ -194,6 +205,24 @@ def test_exit_code_is_reported(tmp_path: Path, out: Path) -> None:
     assert (info.value.group, info.value.rank, info.value.returncode) == ("trainer", 1, 3)
     assert info.value.signal_name is None and "exiting with 3" in str(info.value)
     assert not any(alive(pid) for pid in recorded_pids(out))
+
+
+def test_a_native_crash_is_reported_by_its_cause_not_by_the_last_thread_dumped(tmp_path: Path, out: Path) -> None:
+    spec = {"default": "sleep", "actions": {"1": "abort"}}
+    launcher = LocalLauncher(split_plan(), tmp_path / "run", worker_command(tmp_path, out, spec), grace_seconds=5)
+    with pytest.raises(WorkerFailure, match="killed by SIGABRT") as info:
+        launcher.run()
+    lines = info.value.last_lines
+    fatal = next(i for i, line in enumerate(lines) if line.startswith("Fatal Python error: Aborted"))
+    assert "gloo::EnforceNotMet" in lines[fatal - 2] and "op.preamble.length" in lines[fatal - 1], lines
+    assert lines[fatal + 1].startswith("Current thread"), lines
+    assert not any(line.startswith("Thread 0x") for line in lines), lines  # the sleeping threads are left out
+    assert any("worker.py" in line for line in lines)
+
+
+def test_crash_excerpt_is_the_tail_when_nothing_crashed() -> None:
+    log = [f"line {i}" for i in range(30)]
+    assert crash_excerpt(log, 5) == log[-5:]
 
 
 def test_timeout_kills_everything(tmp_path: Path, out: Path) -> None:

@@ -25,6 +25,7 @@ from verl_hpc.roles.allocator import ResourceAllocator
 from verl_hpc.roles.forward import batched_logprobs, response_logprobs
 from verl_hpc.roles.micro_batching import micro_batches_of, reassemble
 from verl_hpc.roles.optimizer import OptimizedModel
+from verl_hpc.utils.collective import all_reduce_kept
 
 
 @dataclass
@@ -77,7 +78,7 @@ def data_parallel_scale(mask: torch.Tensor, agg_mode: str, group: dist.ProcessGr
         return 1.0
     local = mask.sum() if agg_mode == "token-mean" else torch.tensor(float(mask.shape[0]))
     total = local.detach().clone().float().cpu()
-    dist.all_reduce(total, group=group)
+    all_reduce_kept(total, group=group)
     return float(local) * dist.get_world_size(group) / max(float(total), 1.0)
 
 

@@ -20,6 +20,8 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
+from verl_hpc.utils.collective import all_reduce_kept
+
 INPUT_KEYS = ("input_ids", "attention_mask", "position_ids")  # [B, prompt + response] columns
 
 
@@ -77,7 +79,7 @@ def agreed_count(count: int, group: dist.ProcessGroup | None) -> int:
     if group is None or not dist.is_initialized() or dist.get_world_size(group) == 1:
         return count
     box = torch.tensor([count], dtype=torch.int64)
-    dist.all_reduce(box, op=dist.ReduceOp.MAX, group=group)
+    all_reduce_kept(box, dist.ReduceOp.MAX, group)
     return int(box)
 
 

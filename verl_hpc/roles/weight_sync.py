@@ -34,6 +34,7 @@ from torch import nn
 
 from verl_hpc.roles.flat_weights import WIRE_DTYPE, flat_view, flatten_params, same_memory
 from verl_hpc.roles.lora import merged_params, merged_shapes
+from verl_hpc.utils.collective import broadcast_kept
 
 # At most this many bytes of packed or gathered tensors are on the wire at once (two
 # buckets: the sender prepares one while the other crosses), so an FSDP sender never
@@ -50,6 +51,8 @@ PAIR_SEND_RECV = False
 STOP_VERSION = -2  # a header with this version tells the receivers to stop: no weights follow
 # Per sending model: the two packing buffers, reused every sync; they go away with the model.
 _PACK_BUFFERS: weakref.WeakKeyDictionary[nn.Module, list[torch.Tensor]] = weakref.WeakKeyDictionary()
+# Per non-sending trainer rank's model: the last gathered tensor of its latest sync (`gather_only`).
+_LAST_GATHERED: weakref.WeakKeyDictionary[nn.Module, torch.Tensor] = weakref.WeakKeyDictionary()
 
 
 class WeightSyncError(RuntimeError):
@@ -83,13 +86,17 @@ def gather_only(model: nn.Module) -> None:
     Each gathered tensor is kept until the next gather has completed rather than freed the
     moment its collective returns: a gloo rank that frees a collective's output at once
     races the transport's I/O thread still releasing it (pytorch/pytorch#75528); CI saw
-    this rank die in this loop with "malloc(): unaligned tcache chunk detected". The sender
-    keeps its tensors alive for the broadcast anyway, and this costs one parameter's memory.
+    this rank die in this loop with "malloc(): unaligned tcache chunk detected". The last
+    one of a host-memory (gloo) sync is kept until the next sync's first gather, for the
+    same reason (utils/collective.py). The sender keeps its tensors alive for the broadcast
+    anyway; this costs one parameter's memory.
     """
     held: torch.Tensor | None = None
     for _, tensor in iter_full_params(model):
         held = tensor
-    del held
+        _LAST_GATHERED.pop(model, None)
+    if held is not None and held.device.type == "cpu":
+        _LAST_GATHERED[model] = held
 
 
 def _buckets(names_sizes: list[tuple[str, int]], bucket_bytes: int, alone_bytes: int | None = None,
@@ -280,8 +287,7 @@ def receive_weights(specs: list[tuple[str, torch.Size]], group: dist.ProcessGrou
     of it, already in place. Without it (or if it does not fit) each bucket gets fresh
     memory, one bucket ahead, which the consumer may keep (vLLM's loader holds them all).
     """
-    header = torch.empty(3, dtype=torch.int64, device=device)
-    dist.broadcast(header, src=src, group=group)
+    header = broadcast_kept(torch.empty(3, dtype=torch.int64, device=device), src, group)
     version = int(header[0])
     if version == STOP_VERSION:
         return STOP_VERSION, iter(())

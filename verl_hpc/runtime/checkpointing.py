@@ -24,6 +24,7 @@ from verl_hpc.config import ConfigError, RunConfig
 from verl_hpc.config.checks import expand_path
 from verl_hpc.roles.lora import trainable_state
 from verl_hpc.runtime import run_state
+from verl_hpc.utils.collective import broadcast_kept
 from verl_hpc.utils.logging import get_logger
 
 log = get_logger("checkpoint")
@@ -134,7 +135,7 @@ class RunCheckpointer:
         if self.group is not None and dist.get_world_size(self.group) > 1:
             # `requested` rides along: it decides a blocking save, which every rank must agree on.
             flags = torch.tensor([int(due), int(self.requested)])
-            dist.broadcast(flags, src=dist.get_global_rank(self.group, 0), group=self.group)
+            broadcast_kept(flags, dist.get_global_rank(self.group, 0), self.group)
             due, self.requested = bool(flags[0].item()), bool(flags[1].item())
         return due
 

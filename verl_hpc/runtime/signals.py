@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from verl_hpc.runtime.env import JobEnvironment
+from verl_hpc.utils.collective import all_reduce_kept
 from verl_hpc.utils.logging import get_logger
 
 log = get_logger("signals")
@@ -54,7 +55,7 @@ class StopFlag:
         """The signal any rank of `group` received (all ranks get the same answer)."""
         value = torch.tensor([self.received or 0])
         if group is not None and dist.get_world_size(group) > 1:
-            dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group)
+            all_reduce_kept(value, dist.ReduceOp.MAX, group)
         return int(value.item()) or None
 
     @staticmethod

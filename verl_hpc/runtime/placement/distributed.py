@@ -30,6 +30,7 @@ from verl_hpc.runtime.heartbeat import (
 from verl_hpc.runtime.placement.base import Placement, Timer
 from verl_hpc.runtime.placement.remote import RoleClient, RoleService
 from verl_hpc.runtime.signals import StopFlag
+from verl_hpc.utils.collective import all_reduce_kept
 
 SERVICE_SEED_OFFSET = {"rollout": 1000, "ref": 2000, "reward": 3000, "critic": 4000}
 
@@ -115,14 +116,14 @@ class DistributedPlacement(Placement):
         if self.world == 1:
             return tensor
         out = tensor.detach().clone()
-        dist.all_reduce(out, group=self.ctx.process_group)
+        all_reduce_kept(out, group=self.ctx.process_group)
         return out
 
     def reduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
         if self.world == 1:
             return tensor
         out = tensor.detach().clone()
-        dist.all_reduce(out, op=dist.ReduceOp.MAX, group=self.ctx.process_group)
+        all_reduce_kept(out, dist.ReduceOp.MAX, self.ctx.process_group)
         return out
 
     def mean_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
@@ -131,7 +132,7 @@ class DistributedPlacement(Placement):
             return metrics
         keys = sorted(metrics)
         values = torch.tensor([metrics[k] for k in keys], dtype=torch.float64)
-        dist.all_reduce(values, group=self.ctx.process_group)
+        all_reduce_kept(values, group=self.ctx.process_group)
         return {k: float(v) / self.world for k, v in zip(keys, values, strict=True)}
 
     def gather_to_all(self, value: Any) -> list[Any]:
@@ -167,7 +168,7 @@ class DistributedPlacement(Placement):
             return False
         flag = torch.tensor([int(self.is_leader and resize.pending(self.run_dir))])
         if self.world > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.ctx.process_group)
+            all_reduce_kept(flag, dist.ReduceOp.MAX, self.ctx.process_group)
         return bool(flag.item())
 
     def resize_margin(self) -> int:

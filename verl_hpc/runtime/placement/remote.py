@@ -25,6 +25,7 @@ from verl_hpc.data.rollout_batch import RolloutBatch
 from verl_hpc.roles.actor import UpdatePlan
 from verl_hpc.roles.forward import batched_logprobs, to_device
 from verl_hpc.runtime.placement.base import Timer
+from verl_hpc.utils.collective import all_reduce_kept
 
 if TYPE_CHECKING:
     from verl_hpc.runtime.placement.distributed import DistributedPlacement
@@ -203,7 +204,7 @@ class RoleService:
         if world > 1:
             keys = sorted(metrics)
             values = torch.tensor([metrics[k] for k in keys], dtype=torch.float64)
-            dist.all_reduce(values, group=ctx.process_group)
+            all_reduce_kept(values, group=ctx.process_group)
             metrics = {k: float(v) / world for k, v in zip(keys, values, strict=True)}
         if ctx.rank_in_group != 0:
             return None

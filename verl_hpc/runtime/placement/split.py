@@ -33,6 +33,7 @@ from verl_hpc.runtime.placement.base import Timer, generate_rows
 from verl_hpc.runtime.placement.distributed import DistributedPlacement
 from verl_hpc.runtime.placement.intake import BUFFER_FILE, RolloutRouter, TrainerIntake, bind_host, positions
 from verl_hpc.runtime.step_metrics import sync_metrics
+from verl_hpc.utils.collective import broadcast_kept
 from verl_hpc.utils.logging import get_logger
 
 log = get_logger("placement")
@@ -143,7 +144,7 @@ class Split(DistributedPlacement):
         group = self.ctx.sync_groups.get("rollout")
         if group is not None:  # the leader: the rollout ranks wait for the verdict
             verdict = torch.tensor([int(more)], dtype=torch.int64, device=self.roles.device)
-            dist.broadcast(verdict, src=self.leader, group=group)
+            broadcast_kept(verdict, self.leader, group)
 
     def last_needed(self) -> int:
         """The last step whose weights the rollout needs for training rollouts."""
@@ -266,7 +267,7 @@ class Split(DistributedPlacement):
         round_ = 0
         while True:
             verdict = torch.zeros(1, dtype=torch.int64, device=self.roles.device)
-            dist.broadcast(verdict, src=self.leader, group=group)
+            broadcast_kept(verdict, self.leader, group)
             if not int(verdict.item()):
                 return True
             round_ += 1
