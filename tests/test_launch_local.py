@@ -21,8 +21,8 @@ import pytest
 
 from verl_hpc.config.placement import ProcessPlan, plan_processes
 from verl_hpc.config.resources import ResourceConfig, RoleResources
-from verl_hpc.launch.local import (LaunchTimeout, LocalLauncher, WorkerFailure, crash_excerpt, describe_exit,
-                                   worker_env)
+from verl_hpc.launch.local import LaunchTimeout, LocalLauncher, WorkerFailure, describe_exit, worker_env
+from verl_hpc.launch.log_tail import crash_excerpt
 
 ENV_KEYS = ("VERL_HPC_RANK", "VERL_HPC_WORLD_SIZE", "VERL_HPC_LOCAL_RANK", "VERL_HPC_GROUP",
             "VERL_HPC_GROUP_RANK", "MASTER_ADDR", "MASTER_PORT", "VERL_HPC_RUN_DIR", "CUDA_VISIBLE_DEVICES")

@@ -34,6 +34,7 @@ from torch import nn
 
 from verl_hpc.roles.flat_weights import WIRE_DTYPE, flat_view, flatten_params, same_memory
 from verl_hpc.roles.lora import merged_params, merged_shapes
+from verl_hpc.roles.weight_relay import Forwarder, Relay
 from verl_hpc.utils.collective import broadcast_kept
 
 # At most this many bytes of packed or gathered tensors are on the wire at once (two
@@ -171,9 +172,11 @@ class _Window:
     reused once the transfer that last read it has finished.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None, src: int, limit: int):
+    def __init__(self, group: dist.ProcessGroup | None, src: int, limit: int,
+                 data_group: dist.ProcessGroup | None = None):
         self.group, self.src, self.limit = group, src, limit
-        self.peer = _peer(group, src)
+        self.data_group = data_group or group  # the chain's first link (weight_relay.py), else the sync group
+        self.peer = _peer(self.data_group, src)
         self.works: deque[tuple[Any, int]] = deque()
         self.bytes = 0
 
@@ -185,7 +188,7 @@ class _Window:
         if self.group is None:
             return None
         work = _Once(dist.broadcast(tensor, src=self.src, group=self.group, async_op=True)) if k is None else \
-            _transfer(tensor, k, self.src, self.group, self.peer, sending=True)
+            _transfer(tensor, k, self.src, self.data_group, self.peer, sending=True)
         self.works.append((work, nbytes))
         self.bytes += nbytes
         return work
@@ -201,8 +204,12 @@ class _Window:
 
 
 def broadcast_weights(model: nn.Module, group: dist.ProcessGroup, src: int, version: int,
-                      is_sender: bool, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> tuple[int, int]:
+                      is_sender: bool, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                      relay: Relay | None = None) -> tuple[int, int]:
     """Bucketed broadcast from `src` (global rank) to every rank of `group`; returns (version, bytes).
+
+    With a `relay` (several receivers) the header goes to the group and the buckets down the
+    chain (weight_relay.py): the sender sends each byte once, whatever the number of receivers.
 
     The sender passes its (possibly FSDP-sharded) actor; receivers pass a model of the
     same architecture and get its parameters overwritten in place (re-homed once into
@@ -213,10 +220,10 @@ def broadcast_weights(model: nn.Module, group: dist.ProcessGroup, src: int, vers
     device = params[0][1].device  # NCCL moves only GPU tensors; gloo takes either
     if not is_sender:
         got, tensors = receive_weights([(n, p.shape) for n, p in params], group, src, bucket_bytes, device,
-                                       into=flatten_params(model))
+                                       into=flatten_params(model), relay=relay)
         return got, _copy_into(params, tensors)
     shapes = merged_shapes(model)  # a LoRA sender sends the merged weights of the plain architecture
-    window = _Window(group, src, limit=2 * bucket_bytes)
+    window = _Window(group, src, limit=2 * bucket_bytes, data_group=relay.down if relay is not None else None)
     # Not waited for: the first bucket is prepared while the header crosses (one group: in order).
     window.post(torch.tensor([version, len(shapes), sum(s.numel() for _, s in shapes)], dtype=torch.int64,
                              device=device))
@@ -277,7 +284,8 @@ def _pack(tensors: list[torch.Tensor], buffer: torch.Tensor) -> torch.Tensor:
 
 def receive_weights(specs: list[tuple[str, torch.Size]], group: dist.ProcessGroup, src: int,
                     bucket_bytes: int = DEFAULT_BUCKET_BYTES, device: torch.device | str = "cpu",
-                    into: torch.Tensor | None = None) -> tuple[int, Iterator[tuple[str, torch.Tensor]]]:
+                    into: torch.Tensor | None = None,
+                    relay: Relay | None = None) -> tuple[int, Iterator[tuple[str, torch.Tensor]]]:
     """Receiver side of `broadcast_weights`: the version, then (name, tensor) as buckets land.
 
     The iterator must be consumed to the end (each bucket is a collective); an engine's
@@ -286,6 +294,7 @@ def receive_weights(specs: list[tuple[str, torch.Size]], group: dist.ProcessGrou
     every bucket is received straight into it at once and the yielded tensors are views
     of it, already in place. Without it (or if it does not fit) each bucket gets fresh
     memory, one bucket ahead, which the consumer may keep (vLLM's loader holds them all).
+    `relay`: buckets come from the previous link of the chain and go on to the next.
     """
     header = broadcast_kept(torch.empty(3, dtype=torch.int64, device=device), src, group)
     version = int(header[0])
@@ -295,7 +304,8 @@ def receive_weights(specs: list[tuple[str, torch.Size]], group: dist.ProcessGrou
     if int(header[1]) != len(specs) or int(header[2]) != elements:
         raise WeightSyncError(f"actor and rollout models differ: sender has {int(header[1])} tensors / "
                               f"{int(header[2])} elements, receiver {len(specs)} / {elements}")
-    peer = _peer(group, src)
+    data_group, data_src = (relay.up, relay.up_rank) if relay is not None and relay.up is not None else (group, src)
+    peer = _peer(data_group, data_src)
     buckets = _plan([(n, shape.numel() * WIRE_DTYPE.itemsize) for n, shape in specs], bucket_bytes,
                     pair=peer is not None)
     if into is not None and not (into.dtype == WIRE_DTYPE and into.is_contiguous() and into.numel() == elements
@@ -308,15 +318,17 @@ def receive_weights(specs: list[tuple[str, torch.Size]], group: dist.ProcessGrou
     def post(k: int) -> tuple[torch.Tensor, Any]:
         flat = into[starts[k]:starts[k + 1]] if into is not None else \
             torch.empty(starts[k + 1] - starts[k], dtype=WIRE_DTYPE, device=device)
-        return flat, _transfer(flat, k, src, group, peer, sending=False)
+        return flat, _transfer(flat, k, data_src, data_group, peer, sending=False)
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         # In place, every bucket is posted at once; otherwise bucket k+1 is received while
         # the consumer copies bucket k's tensors.
         posted = [post(k) for k in range(len(buckets))] if into is not None else [post(0)] if buckets else []
+        onward = Forwarder(relay)
         for k, bucket in enumerate(buckets):
             flat, work = posted[k]
             work.wait()
+            onward.forward(flat)
             if k + 1 == len(posted) < len(buckets):
                 posted.append(post(k + 1))
             offset = 0
@@ -324,6 +336,7 @@ def receive_weights(specs: list[tuple[str, torch.Size]], group: dist.ProcessGrou
                 name, shape = specs[i]
                 yield name, flat[offset:offset + shape.numel()].view(shape)
                 offset += shape.numel()
+        onward.finish()
 
     return version, tensors()
 

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from verl_hpc.config.placement import GroupSpec, ProcessPlan
+from verl_hpc.roles.weight_relay import Relay, chain_links, relay_for
 from verl_hpc.runtime.env import JobEnvironment
 
 T = TypeVar("T")
@@ -78,6 +79,8 @@ class DistContext:
     # gloo over the trainer ranks, for async checkpoint writes (never the training group:
     # DCP's async finish on a group that training also uses deadlocks).
     checkpoint_group: ProcessGroup | None = None
+    # This rank's links in the weight sync's chain through several rollout ranks (None: not in one).
+    weight_relay: Relay | None = None
     _barrier_counts: dict[str, int] = field(default_factory=dict, repr=False)
 
     @property
@@ -266,6 +269,7 @@ def _build_groups(env: JobEnvironment, plan: ProcessPlan, backend: str, timeout:
         pg = dist.new_group(ranks=ranks, timeout=timeout, backend="gloo")  # Arrow bytes: host memory
         if env.rank in ranks:
             exchange_groups[spec.name] = pg
+    relay = _build_relay(env, plan, trainer, leader, backend, timeout)
     ckpt = dist.new_group(ranks=trainer_ranks, timeout=timeout, backend="gloo")
     state_groups: list[ProcessGroup | None] = [None, None]
     if any(spec.name == "critic" for spec in plan.groups):
@@ -277,4 +281,18 @@ def _build_groups(env: JobEnvironment, plan: ProcessPlan, backend: str, timeout:
                        checkpoint_group=ckpt if env.rank in trainer_ranks else None,
                        control_group=control, sync_groups=sync_groups, timeout_seconds=timeout_seconds,
                        exchange_groups=exchange_groups, state_group=state_groups[0],
-                       state_async_group=state_groups[1])
+                       state_async_group=state_groups[1], weight_relay=relay)
+
+
+def _build_relay(env: JobEnvironment, plan: ProcessPlan, trainer: GroupSpec, leader: int, backend: str,
+                 timeout: timedelta) -> Relay | None:
+    """The weight sync's chain through a rollout group of several ranks (roles/weight_relay.py).
+
+    Every rank of the world makes every pair group, in the same order (`new_group` is collective)."""
+    rollout = next((spec for spec in plan.groups if spec.name != trainer.name and "rollout" in spec.roles), None)
+    if rollout is None:
+        return None
+    links = chain_links(leader, plan.group_ranks(rollout.name))
+    groups = [dist.new_group(ranks=pair, timeout=timeout, backend=_backend_for([trainer, rollout], backend))
+              for pair in links]
+    return relay_for(env.rank, links, groups)

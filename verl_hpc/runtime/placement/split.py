@@ -174,7 +174,8 @@ class Split(DistributedPlacement):
         if group is None:  # not the leader: only join the FSDP gathers the leader's send needs
             gather_only(self.roles.actor.model)  # type: ignore[union-attr]
             return 0
-        return broadcast_weights(self.roles.actor.model, group, self.leader, version, True)[1]  # type: ignore[union-attr]
+        return broadcast_weights(self.roles.actor.model, group, self.leader, version, True,  # type: ignore[union-attr]
+                                 relay=self.ctx.weight_relay)[1]
 
     def resume_weights(self, version: int) -> None:
         if self.trains:
@@ -308,7 +309,7 @@ class Split(DistributedPlacement):
         """The newest weights into the engine; returns their version (STOP_VERSION: stop)."""
         engine = self.roles.engine
         version, tensors = receive_weights(engine.weight_specs(), self.ctx.sync_groups["rollout"], self.leader,  # type: ignore[union-attr]
-                                           device=self.roles.device, into=engine_buffer(engine))
+                                           device=self.roles.device, into=engine_buffer(engine), relay=self.ctx.weight_relay)
         if version != STOP_VERSION:
             self.last_sync_bytes = push_weights(tensors, engine, version)
             engine.policy_version = version  # type: ignore[union-attr]
