@@ -26,7 +26,8 @@ BENCHMARKS = {"checkpoint": "bench.checkpoint", "transport": "bench.transport",
               "scaling": "bench.scaling", "placement": "bench.placement",
               "placement_gpu": "bench.placement_gpu", "preemption": "bench.preemption",
               "logprob_memory": "bench.logprob_memory", "presets": "bench.presets",
-              "memory": "bench.memory", "scale_model": "bench.scale_model"}
+              "memory": "bench.memory", "scale_model": "bench.scale_model",
+              "weight_fanout": "bench.weight_fanout"}
 # Not in `all`: it needs the local Slurm cluster and minutes of its time (`preemption --slurm`).
 OPT_IN = {"preemption_slurm": "bench.preemption_slurm",
           "versions": "bench.versions",  # also not in `all`: a git worktree of another revision, minutes

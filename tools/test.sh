@@ -22,6 +22,12 @@ if [ ! -x /usr/bin/prometheus ] || [ ! -x /usr/bin/prometheus-pushgateway ]; the
   { DEBIAN_FRONTEND=noninteractive "${prom[@]}" || { apt-get update -q && DEBIAN_FRONTEND=noninteractive "${prom[@]}"; }; } \
     >/dev/null 2>&1 || echo "test.sh: could not install prometheus prometheus-pushgateway; their tests skip" >&2
 fi
+# ss (iproute2): the kernel's per-socket byte counts behind the weight chain's test and benchmark
+if ! command -v ss >/dev/null 2>&1; then
+  ss_pkg=(apt-get install -y -q --no-install-recommends iproute2)
+  { DEBIAN_FRONTEND=noninteractive "${ss_pkg[@]}" || { apt-get update -q && DEBIAN_FRONTEND=noninteractive "${ss_pkg[@]}"; }; } \
+    >/dev/null 2>&1 || echo "test.sh: could not install iproute2 (ss); the wire-count test skips" >&2
+fi
 export TOKENIZERS_PARALLELISM=false
 if [ "$#" -gt 0 ]; then
   exec .venv/bin/python -m pytest "$@"
