@@ -67,10 +67,40 @@ def shard_model(model: nn.Module, group: dist.ProcessGroup, device_type: str,
 
 
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """The whole tensor behind a DTensor shard (a collective over its mesh), or itself."""
-    from torch.distributed.tensor import DTensor
+    """The whole tensor behind a DTensor shard (a collective over its mesh), or itself.
 
-    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+    FSDP2's host-memory shards (gloo) are gathered by `_gather_rows`, not DTensor's
+    `full_tensor`: every native crash of a trainer rank seen so far (SIGSEGV, SIGABRT,
+    "malloc(): unaligned tcache chunk detected", in CI and once here) struck inside or just
+    after that path's asynchronous functional all-gather, whose padded input is a temporary
+    dropped while gloo's threads may still hold it (pytorch#75529). `_gather_rows` is one
+    synchronous all-gather whose buffers outlive it.
+    """
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(tensor, DTensor):
+        return tensor
+    if tensor.device.type == "cpu" and tensor.device_mesh.ndim == 1 and tuple(tensor.placements) == (Shard(0),):
+        return _gather_rows(tensor)
+    return tensor.full_tensor()
+
+
+_last_gather: list[torch.Tensor] = []  # the previous gather's buffers, kept until the next one is done
+
+
+def _gather_rows(tensor: torch.Tensor) -> torch.Tensor:
+    """A row-sharded DTensor, whole: every rank pads its rows to ceil(rows / world) (FSDP2's and
+    DTensor's chunking), one all-gather, the padding cut off."""
+    group = tensor.device_mesh.get_group()
+    world, rows = dist.get_world_size(group), tensor.shape[0]
+    per_rank = -(-rows // world)
+    local = tensor.to_local()
+    padded = local.new_zeros((per_rank, *tensor.shape[1:]))
+    padded[:local.shape[0]].copy_(local)
+    out = local.new_empty((per_rank * world, *tensor.shape[1:]))
+    dist.all_gather_into_tensor(out, padded, group=group)
+    _last_gather[:] = [padded, out]
+    return out[:rows]
 
 
 def to_float(value: torch.Tensor | float) -> float:
