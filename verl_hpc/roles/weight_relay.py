@@ -64,7 +64,6 @@ class Forwarder:
         self.relay = relay if relay is not None and relay.down is not None else None
         self.works: deque[tuple[Any, torch.Tensor]] = deque()
         self.last_done: torch.Tensor | None = None  # kept past its wait: see utils/collective.py
-        self.sent = 0
 
     def forward(self, flat: torch.Tensor) -> None:
         if self.relay is None:
@@ -72,7 +71,6 @@ class Forwarder:
         while len(self.works) >= FORWARDS_IN_FLIGHT:
             self._finish_oldest()
         self.works.append((dist.broadcast(flat, src=self.relay.rank, group=self.relay.down, async_op=True), flat))
-        self.sent += flat.numel() * flat.element_size()
 
     def finish(self) -> None:
         while self.works:
