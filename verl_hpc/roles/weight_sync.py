@@ -52,8 +52,6 @@ PAIR_SEND_RECV = False
 STOP_VERSION = -2  # a header with this version tells the receivers to stop: no weights follow
 # Per sending model: the two packing buffers, reused every sync; they go away with the model.
 _PACK_BUFFERS: weakref.WeakKeyDictionary[nn.Module, list[torch.Tensor]] = weakref.WeakKeyDictionary()
-# Per non-sending trainer rank's model: the last gathered tensor of its latest sync (`gather_only`).
-_LAST_GATHERED: weakref.WeakKeyDictionary[nn.Module, torch.Tensor] = weakref.WeakKeyDictionary()
 
 
 class WeightSyncError(RuntimeError):
@@ -84,20 +82,12 @@ def stream_into(source: nn.Module, target: nn.Module) -> int:
 def gather_only(model: nn.Module) -> None:
     """Trainer ranks outside the sync group: join each parameter's gather, send nothing.
 
-    Each gathered tensor is kept until the next gather has completed rather than freed the
-    moment its collective returns: a gloo rank that frees a collective's output at once
-    races the transport's I/O thread still releasing it (pytorch/pytorch#75528); CI saw
-    this rank die in this loop with "malloc(): unaligned tcache chunk detected". The last
-    one of a host-memory (gloo) sync is kept until the next sync's first gather, for the
-    same reason (utils/collective.py). The sender keeps its tensors alive for the broadcast
-    anyway; this costs one parameter's memory.
+    Dropping each gathered tensor at once is safe: a host-memory gather's buffers are kept
+    by `fsdp._gather_rows` until the next gather has completed (the gloo race behind CI's
+    "malloc(): unaligned tcache chunk detected" in this loop, pytorch/pytorch#75529).
     """
-    held: torch.Tensor | None = None
-    for _, tensor in iter_full_params(model):
-        held = tensor
-        _LAST_GATHERED.pop(model, None)
-    if held is not None and held.device.type == "cpu":
-        _LAST_GATHERED[model] = held
+    for _ in iter_full_params(model):
+        pass
 
 
 def _buckets(names_sizes: list[tuple[str, int]], bucket_bytes: int, alone_bytes: int | None = None,
