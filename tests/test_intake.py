@@ -49,12 +49,15 @@ def _batch(groups: int, n: int, step: int) -> RolloutBatch:
                                         sample_index=[r % n for r in range(rows)])
 
 
-def test_producers_send_each_trainer_rank_exactly_its_rows() -> None:
+@pytest.mark.parametrize("same_node", [True, False], ids=["unix-socket", "flight"])
+def test_producers_send_each_trainer_rank_exactly_its_rows(same_node: bool) -> None:
     """Two producers, each half of the groups; three trainer ranks each get their rows, no others."""
     groups, n, world = 12, 4, 3
     batch_size = mini = groups * n
     intakes = [TrainerIntake("127.0.0.1", TOKEN) for _ in range(world)]
-    routers = [RolloutRouter([i.location for i in intakes], TOKEN, f"rollout{p}") for p in range(2)]
+    local = [i.local_location for i in intakes] if same_node else None
+    routers = [RolloutRouter([i.location for i in intakes], TOKEN, f"rollout{p}", local) for p in range(2)]
+    assert all(c.same_node == same_node for r in routers for c in r.clients)
     try:
         whole = _batch(groups, n, step=5)
         for p, router in enumerate(routers):
@@ -68,6 +71,8 @@ def test_producers_send_each_trainer_rank_exactly_its_rows() -> None:
             counts = intake.counters()
             assert counts["rows"] == len(mine) and counts["messages"] >= 1
             assert intake.counters()["rows"] == 0  # counted once per call
+            assert (intake.server.stats()["streams_opened"] == 0) == same_node
+            assert counts["local_messages"] == (counts["messages"] if same_node else 0)
     finally:
         for router in routers:
             router.close()

@@ -180,3 +180,5 @@ def test_the_direct_intake_agrees_for_one_two_and_three_trainer_ranks(tmp_path: 
     for name, world in (("split_1_+_1", 1), ("split_2_+_3", 2), ("split_3_+_2", 3)):
         last = rows(tmp_path / name)[-1]  # rank 0 took in its own rows only: 48 / W of them
         assert last["perf/rollout_intake_rows"] == 48 / world, (name, last)
+        # one machine: every batch took the same-node socket, none went through gRPC
+        assert last["perf/rollout_intake_local_messages_total"] == last["perf/rollout_intake_messages_total"] > 0

@@ -21,7 +21,6 @@ Delivery contract (what makes retries and restarts safe):
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import socket
@@ -38,35 +37,10 @@ import pyarrow.flight as flight
 from verl_hpc.data.rollout_batch import RolloutBatch
 from verl_hpc.data.transport import wire
 from verl_hpc.data.transport.buffer import RolloutBuffer
+from verl_hpc.data.transport.local import LocalRolloutServer, LocalRoute, enabled, reachable_path
 from verl_hpc.data.transport.stream import IdleCloser, ProducerStream
 
 log = logging.getLogger(__name__)
-
-_AUTH_HEADER = "authorization"
-
-
-class _BearerTokenMiddlewareFactory(flight.ServerMiddlewareFactory):
-    """Refuse every RPC that lacks `authorization: Bearer <run token>`.
-
-    Why middleware rather than Flight's handshake auth: the handshake hands out a
-    session token that later calls must carry anyway; a static per-run bearer token
-    checked on each call is simpler, stateless, and covers every method uniformly.
-    """
-
-    def __init__(self, token: str) -> None:
-        super().__init__()
-        self._expected = f"Bearer {token}".encode()
-
-    def start_call(self, info: flight.CallInfo, headers: dict[str, list[str | bytes]]) -> None:
-        values = [v for k, vs in headers.items() if k.lower() == _AUTH_HEADER for v in vs]
-        raw = values[0] if len(values) == 1 else b""
-        presented = raw.encode() if isinstance(raw, str) else raw
-        # compare_digest: the time taken must not reveal how many leading bytes matched
-        if not hmac.compare_digest(presented, self._expected):
-            raise flight.FlightUnauthenticatedError(
-                "rollout transport: missing or wrong bearer token (the token is in "
-                "<run_dir>/secrets/flight_token)")
-        return None
 
 
 class RolloutFlightServer(flight.FlightServerBase):
@@ -80,7 +54,8 @@ class RolloutFlightServer(flight.FlightServerBase):
     puts, so an idle producer delays a shutdown by at most about that long.
     """
 
-    def __init__(self, location: str = "grpc://127.0.0.1:0", *, token: str, capacity: int = 8) -> None:
+    def __init__(self, location: str = "grpc://127.0.0.1:0", *, token: str, capacity: int = 8,
+                 local: bool = False) -> None:
         if not token:
             raise ValueError("RolloutFlightServer needs a non-empty token (see create_run_secret)")
         if capacity < 1:
@@ -91,7 +66,9 @@ class RolloutFlightServer(flight.FlightServerBase):
         self._stopped = False
         self._stream_lock = threading.Lock()
         self._streams = {"opened": 0, "open": 0}
-        super().__init__(location, middleware={"auth": _BearerTokenMiddlewareFactory(token)})
+        super().__init__(location, middleware={"auth": wire.BearerTokenMiddlewareFactory(token)})
+        # Same-node producers skip gRPC (local.py); same buffer, so the same contract.
+        self._local = LocalRolloutServer(self._buffer, token) if local and enabled() else None
         log.info("rollout Flight server listening on %s (capacity %d)", self.location, capacity)
 
     @property
@@ -99,6 +76,11 @@ class RolloutFlightServer(flight.FlightServerBase):
         """The address workers should connect to (wildcard binds -> this host's name)."""
         host = socket.gethostname() if self._host in ("0.0.0.0", "::") else self._host
         return f"grpc://[{host}]:{self.port}" if ":" in host else f"grpc://{host}:{self.port}"
+
+    @property
+    def local_location(self) -> str | None:
+        """`unix://host/path` for producers on this node (`local=True`), else None."""
+        return self._local.location if self._local is not None else None
 
     def do_put(self, context: flight.ServerCallContext, descriptor: flight.FlightDescriptor,
                reader: flight.MetadataRecordBatchReader, writer: flight.FlightMetadataWriter) -> None:
@@ -187,7 +169,8 @@ class RolloutFlightServer(flight.FlightServerBase):
     def stats(self) -> dict[str, Any]:
         with self._stream_lock:
             streams = {"streams_opened": self._streams["opened"], "open_streams": self._streams["open"]}
-        return {**self._buffer.stats(), **streams}
+        local = self._local.stats() if self._local is not None else {}
+        return {**self._buffer.stats(), **streams, **local}
 
     def shutdown(self) -> None:
         """Stop accepting puts, unblock waiting producers, stop gRPC. Safe to call twice.
@@ -199,6 +182,8 @@ class RolloutFlightServer(flight.FlightServerBase):
                 return
             self._stopped = True
         self._buffer.close()
+        if self._local is not None:
+            self._local.shutdown()
         super().shutdown()
 
     def __enter__(self) -> RolloutFlightServer:
@@ -219,12 +204,13 @@ class RolloutFlightClient:
 
     Batches travel on one `do_exchange` stream (`stream.py`), opened on the first put and
     closed after `idle_close_s` without puts (0: only by `close()`); a broken stream is
-    replaced by a new one on the next attempt.
+    replaced by a new one on the next attempt. Given the server's `local_location` and on
+    its node, batches take the Unix socket instead (`local.py`), with the same retries.
     """
 
     def __init__(self, location: str, token: str, producer_id: str, *, put_timeout: float | None = None,
                  rpc_timeout: float = 10.0, retries: int = 4, backoff_s: float = 0.25,
-                 idle_close_s: float = 0.5) -> None:
+                 idle_close_s: float = 0.5, local_location: str | None = None) -> None:
         if not producer_id:
             raise ValueError("producer_id must be non-empty")
         if idle_close_s < 0:
@@ -232,7 +218,7 @@ class RolloutFlightClient:
         self.producer_id = producer_id
         self.next_sequence_no = 0
         self._client = flight.FlightClient(location)
-        self._auth = [(_AUTH_HEADER.encode(), f"Bearer {token}".encode())]
+        self._auth = [(wire.AUTH_HEADER.encode(), f"Bearer {token}".encode())]
         self._put_timeout, self._rpc_timeout = put_timeout, rpc_timeout
         self._retries, self._backoff_s = retries, backoff_s
         self._lock = threading.Lock()  # one put at a time keeps this producer's order
@@ -241,6 +227,13 @@ class RolloutFlightClient:
         self._last_used = 0.0
         self._idle_close_s = idle_close_s
         self._idle_closer: IdleCloser | None = None
+        path = reachable_path(local_location)
+        self._local = LocalRoute(path, token, producer_id) if path else None
+
+    @property
+    def same_node(self) -> bool:
+        """Whether puts take the Unix socket (the trainer is on this node)."""
+        return self._local is not None and self._local.path is not None
 
     def _options(self, timeout: float | None) -> flight.FlightCallOptions:
         return flight.FlightCallOptions(headers=self._auth, timeout=timeout)
@@ -284,6 +277,8 @@ class RolloutFlightClient:
     def _put_once(self, batch: RolloutBatch, seq: int) -> str:
         """One attempt on the open stream (opened here if needed); any failure drops the stream."""
         record_batch = batch.record_batch
+        if self.same_node:
+            return self._local.put(record_batch, seq, self._put_timeout)  # type: ignore[union-attr]
         stream = self._open_stream(record_batch.schema)
         timer = None
         if self._put_timeout is not None:  # a stream has no per-message deadline: cancel it instead
@@ -365,6 +360,8 @@ class RolloutFlightClient:
         if self._lock.acquire(blocking=False):
             try:
                 self._drop_stream()
+                if self._local is not None:
+                    self._local.close()
             finally:
                 self._lock.release()
         self._client.close()

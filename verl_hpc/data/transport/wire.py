@@ -15,6 +15,7 @@ Two ways to send a batch, both keyed by (producer_id, sequence_no) for deduplica
 
 from __future__ import annotations
 
+import hmac
 import struct
 
 import pyarrow as pa
@@ -144,3 +145,30 @@ def decode_ack(metadata: pa.Buffer | None, expected_seq: int) -> str:
         raise flight.FlightServerError(f"rollout stream: acknowledgement for #{seq} (status {status}) "
                                        f"while waiting for #{expected_seq}")
     return ACK_STATUSES[status]
+
+
+AUTH_HEADER = "authorization"
+
+
+class BearerTokenMiddlewareFactory(flight.ServerMiddlewareFactory):
+    """Refuse every RPC that lacks `authorization: Bearer <run token>`.
+
+    Why middleware rather than Flight's handshake auth: the handshake hands out a
+    session token that later calls must carry anyway; a static per-run bearer token
+    checked on each call is simpler, stateless, and covers every method uniformly.
+    """
+
+    def __init__(self, token: str) -> None:
+        super().__init__()
+        self._expected = f"Bearer {token}".encode()
+
+    def start_call(self, info: flight.CallInfo, headers: dict[str, list[str | bytes]]) -> None:
+        values = [v for k, vs in headers.items() if k.lower() == AUTH_HEADER for v in vs]
+        raw = values[0] if len(values) == 1 else b""
+        presented = raw.encode() if isinstance(raw, str) else raw
+        # compare_digest: the time taken must not reveal how many leading bytes matched
+        if not hmac.compare_digest(presented, self._expected):
+            raise flight.FlightUnauthenticatedError(
+                "rollout transport: missing or wrong bearer token (the token is in "
+                "<run_dir>/secrets/flight_token)")
+        return None

@@ -61,13 +61,19 @@ class TrainerIntake:
     def __init__(self, host: str, token: str, capacity: int = 8) -> None:
         from verl_hpc.data.transport import RolloutFlightServer
 
-        self.server = RolloutFlightServer(f"grpc://{host}:0", token=token, capacity=capacity)
+        # local: producers on this node skip gRPC (data/transport/local.py), same contract
+        self.server = RolloutFlightServer(f"grpc://{host}:0", token=token, capacity=capacity, local=True)
         self.pending: dict[int, list[RolloutBatch]] = {}
         self.received = {"bytes": 0, "messages": 0, "rows": 0}  # taken off the wire since the last `counters()`
+        self._local_counted = 0  # the server's same-node batches already reported
 
     @property
     def location(self) -> str:
         return self.server.location
+
+    @property
+    def local_location(self) -> str | None:
+        return self.server.local_location
 
     def count(self, key: int) -> int:
         return sum(len(b) for b in self.pending.get(key, []))
@@ -97,9 +103,12 @@ class TrainerIntake:
             self.pull(timeout, lambda: missing(self.count(key)))
 
     def counters(self) -> dict[str, int]:
-        """Bytes, batches and rows received since the last call (this rank's intake in a step)."""
+        """Bytes, batches and rows received since the last call (this rank's intake in a step);
+        `local_messages`: how many batches came over the same-node socket rather than Flight."""
         out = dict(self.received)
         self.received = dict.fromkeys(out, 0)
+        local = int(self.server.stats().get("local_batches", 0))
+        out["local_messages"], self._local_counted = local - self._local_counted, local
         return out
 
     def restore(self, batch: RolloutBatch, mine: Callable[[RolloutBatch], np.ndarray]) -> None:
@@ -114,12 +123,18 @@ class TrainerIntake:
 
 
 class RolloutRouter:
-    """A rollout rank's clients, one per trainer rank; each batch is split by owner."""
+    """A rollout rank's clients, one per trainer rank; each batch is split by owner.
 
-    def __init__(self, locations: list[str], token: str, producer_id: str) -> None:
+    `local_locations[r]`: trainer rank r's same-node socket; a client on that node uses it.
+    """
+
+    def __init__(self, locations: list[str], token: str, producer_id: str,
+                 local_locations: list[str | None] | None = None) -> None:
         from verl_hpc.data.transport import RolloutFlightClient
 
-        self.clients = [RolloutFlightClient(loc, token=token, producer_id=producer_id) for loc in locations]
+        local_locations = local_locations or [None] * len(locations)
+        self.clients = [RolloutFlightClient(loc, token=token, producer_id=producer_id, local_location=local)
+                        for loc, local in zip(locations, local_locations, strict=True)]
 
     def put(self, batch: RolloutBatch, owners: np.ndarray) -> int:
         """Each trainer rank its rows of `batch` (`owners[i]`: row i's rank); returns the bytes sent."""

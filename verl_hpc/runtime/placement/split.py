@@ -85,15 +85,16 @@ class Split(DistributedPlacement):
 
         ctx = self.ctx
         token = read_run_secret(self.run_dir)
-        mine: tuple[int, str] | None = None
+        mine: tuple[int, str, str | None] | None = None
         if self.trains:
             self.intake = TrainerIntake(bind_host(ctx.env.master_addr, self.is_leader), token, capacity=8)
-            mine = (self.rank, self.intake.location)
+            mine = (self.rank, self.intake.location, self.intake.local_location)
         everyone: list[Any] = [None] * dist.get_world_size(ctx.control_group)
         dist.all_gather_object(everyone, mine, group=ctx.control_group)
-        locations = [loc for _, loc in sorted(x for x in everyone if x is not None)]
+        endpoints = sorted((x for x in everyone if x is not None), key=lambda x: x[0])
         if ctx.is_role("rollout"):
-            self.router = RolloutRouter(locations, token, f"rollout{ctx.rank_in_group}")
+            self.router = RolloutRouter([e[1] for e in endpoints], token, f"rollout{ctx.rank_in_group}",
+                                        [e[2] for e in endpoints])
 
     # --- trainer side ------------------------------------------------------------------------------
     def rollouts(self, step: int, indices: list[int], policy_version: int, timer: Timer,
