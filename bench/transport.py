@@ -1,9 +1,11 @@
-"""Rollout batches over the project's Arrow Flight path vs the same bytes over a raw socket.
+"""Rollout batches over the project's two routes vs the same bytes over a raw socket.
 
 Project: `RolloutFlightClient.put(batch)` into a `RolloutFlightServer` on loopback, then
 `server.get()` — authenticated, numbered, schema-checked, deduplicated, acknowledged:
-everything a run pays to move one rollout batch from a worker to the trainer. The
-client's puts travel on its one open `do_exchange` stream, as they do in a run.
+everything a run pays to move one rollout batch from a worker to the trainer. Two
+routes, as a run takes them: "flight", the client's one open `do_exchange` stream (a
+producer on another node), and "local", the Unix socket a producer on the trainer's own
+node uses (`data/transport/local.py`), same client, same server.
 Baseline: the same number of bytes (the batch's Arrow IPC stream) sent with `sendall`
 over one persistent loopback TCP connection to a thread that `recv_into`s a buffer and
 answers one acknowledgement byte — the floor any transport on this host can reach.
@@ -11,8 +13,8 @@ answers one acknowledgement byte — the floor any transport on this host can re
 Both sides keep their connection open across repetitions (a run's workers do too) and
 wait for the receiver's acknowledgement, so each time is "sent and known delivered".
 Small batches repeat several transfers per timing so the timer sees more than jitter.
-Reported per size: throughput ratio = raw time / Flight time (median, min-max over
-alternating repetitions). Target >= 0.8: Flight may cost at most a fifth of the wire.
+Reported per size: throughput ratio = raw time / route time (median, min-max over
+alternating repetitions). Targets (issue 19): >= 0.8 from 1 MB, >= 0.5 at 64 KB.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from verl_hpc.data.rollout_batch import RolloutBatch
 from verl_hpc.data.transport.flight import RolloutFlightClient, RolloutFlightServer
 
 TARGET = 0.8
+SMALL_TARGET, SMALL_BELOW = 0.5, 1 << 20  # below 1 MB the target is 0.5
 FULL_SIZES = [64 << 10, 1 << 20, 16 << 20, 256 << 20]
 QUICK_SIZES = [64 << 10, 1 << 20, 4 << 20]
 PROMPT_LEN, RESPONSE_LEN = 128, 512
@@ -59,16 +62,29 @@ def ipc_bytes(batch: RolloutBatch) -> bytes:
 class RawLoopback:
     """Length-prefixed bytes over one loopback TCP connection, acknowledged with one byte."""
 
-    def __init__(self, capacity: int) -> None:
-        self._listener = socket.create_server(("127.0.0.1", 0))
+    def __init__(self, capacity: int, connect: bool = True) -> None:
+        """A receiving thread on a fresh port; `connect=False`: the sender is another process
+        (`connect_to(port)` there)."""
+        self._listener = socket.create_server(("127.0.0.1", 0)) if capacity else None
+        self.port = self._listener.getsockname()[1] if self._listener else 0
         self._buffer = bytearray(capacity)
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
-        self._conn = socket.create_connection(self._listener.getsockname())
-        self._conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._thread = threading.Thread(target=self._serve, daemon=True) if capacity else None
+        if self._thread is not None:
+            self._thread.start()
+        self._conn = socket.create_connection(("127.0.0.1", self.port)) if connect else None
+        if self._conn is not None:
+            self._conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    @classmethod
+    def connect_to(cls, port: int) -> RawLoopback:
+        """The sending end only, for a receiver in another process."""
+        raw = cls(0, connect=False)
+        raw._conn = socket.create_connection(("127.0.0.1", port))
+        raw._conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return raw
 
     def _serve(self) -> None:
-        conn, _ = self._listener.accept()
+        conn, _ = self._listener.accept()  # type: ignore[union-attr]
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         view = memoryview(self._buffer)
         with conn:
@@ -85,15 +101,20 @@ class RawLoopback:
                 conn.sendall(b"\x01")
 
     def send(self, payload: bytes) -> None:
-        self._conn.sendall(struct.pack("!Q", len(payload)))
-        self._conn.sendall(payload)
-        if self._conn.recv(1) != b"\x01":
+        conn = self._conn
+        assert conn is not None, "a receiving-only RawLoopback cannot send"
+        conn.sendall(struct.pack("!Q", len(payload)))
+        conn.sendall(payload)
+        if conn.recv(1) != b"\x01":
             raise RuntimeError("raw loopback receiver closed the connection")
 
     def close(self) -> None:
-        self._conn.close()
-        self._thread.join(timeout=5)
-        self._listener.close()
+        if self._conn is not None:
+            self._conn.close()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        if self._listener is not None:
+            self._listener.close()
 
 
 def _time_flight(client: RolloutFlightClient, server: RolloutFlightServer, batch: RolloutBatch,
@@ -117,37 +138,59 @@ def _summary(values: list[float]) -> dict[str, float]:
 
 
 def measure_size(nbytes: int, reps: int) -> dict[str, Any]:
-    """Alternating Flight / raw repetitions for one batch size (first pair is a discarded warm-up)."""
+    """Alternating flight / local / raw repetitions for one batch size (first round is a warm-up)."""
     batch = make_batch(nbytes)
     payload = ipc_bytes(batch)
     transfers = max(1, min(32, (16 << 20) // len(payload)))
     raw = RawLoopback(len(payload))
-    server = RolloutFlightServer(token="bench", capacity=2)
-    client = RolloutFlightClient(server.location, "bench", "bench-producer")
+    server = RolloutFlightServer(token="bench", capacity=2, local=True)
+    clients = {"flight": RolloutFlightClient(server.location, "bench", "bench-flight"),
+               "local": RolloutFlightClient(server.location, "bench", "bench-local",
+                                            local_location=server.local_location)}
+    if not clients["local"].same_node:
+        raise RuntimeError("the same-node route is off (VERL_HPC_ROLLOUT_LOCAL=0?): nothing to measure")
+    times: dict[str, list[float]] = {"flight": [], "local": [], "raw": []}
     try:
-        _time_flight(client, server, batch, 1)
-        _time_raw(raw, payload, 1)
-        flight_s, raw_s = [], []
-        for _ in range(reps):
-            flight_s.append(_time_flight(client, server, batch, transfers) / transfers)
-            raw_s.append(_time_raw(raw, payload, transfers) / transfers)
+        for rep in range(reps + 1):
+            for route, client in clients.items():
+                elapsed = _time_flight(client, server, batch, transfers if rep else 1) / (transfers if rep else 1)
+                if rep:
+                    times[route].append(elapsed)
+            elapsed = _time_raw(raw, payload, transfers if rep else 1) / (transfers if rep else 1)
+            if rep:
+                times["raw"].append(elapsed)
     finally:
-        client.close()
+        for client in clients.values():
+            client.close()
         server.shutdown()
         raw.close()
-    ratios = [r / f for r, f in zip(raw_s, flight_s, strict=True)]
-    return {"bytes": len(payload), "rows": len(batch), "transfers_per_rep": transfers,
-            "flight_s": _summary(flight_s), "raw_s": _summary(raw_s), "ratio": _summary(ratios),
-            "flight_mb_s": len(payload) / statistics.median(flight_s) / 1e6,
-            "raw_mb_s": len(payload) / statistics.median(raw_s) / 1e6}
+    row: dict[str, Any] = {"bytes": len(payload), "rows": len(batch), "transfers_per_rep": transfers,
+                           "raw_s": _summary(times["raw"]),
+                           "raw_mb_s": len(payload) / statistics.median(times["raw"]) / 1e6}
+    for route in ("flight", "local"):
+        row[f"{route}_s"] = _summary(times[route])
+        row[f"{route}_mb_s"] = len(payload) / statistics.median(times[route]) / 1e6
+        row[f"{route}_ratio"] = _summary([r / t for r, t in zip(times["raw"], times[route], strict=True)])
+    row["ratio"] = row["flight_ratio"]  # the name older results used
+    return row
+
+
+def target(nbytes: int) -> float:
+    return SMALL_TARGET if nbytes < SMALL_BELOW else TARGET
 
 
 def run(quick: bool = False, scratch: str | None = None) -> dict[str, Any]:
     # 15 full repetitions: a run takes ~20 s, and on a shared 2-core host a 7-rep median moved by 0.3
     sizes, reps = (QUICK_SIZES, 3) if quick else (FULL_SIZES, 15)
     rows = [measure_size(size, reps if size < (64 << 20) else max(3, reps - 2)) for size in sizes]
-    return {"quick": quick, "reps": reps, "target": TARGET, "sizes": rows,
-            "ratios": {f"flight_vs_raw_{_label(r['bytes'])}": r["ratio"] for r in rows}}
+    from bench import transport_procs
+
+    procs = transport_procs.measure(sizes, reps)
+    ratios = {f"{route}_vs_raw_{_label(r['bytes'])}": r[f"{route}_ratio"] for r in rows for route in ("flight", "local")}
+    ratios.update({f"{route}_vs_raw_{_label(r['bytes'])}_across_processes": r[f"{route}_ratio"]
+                   for r in procs for route in ("flight", "local")})
+    return {"quick": quick, "reps": reps, "target": TARGET, "small_target": SMALL_TARGET, "sizes": rows,
+            "across_processes": procs, "ratios": ratios}
 
 
 def _label(nbytes: int) -> str:
@@ -155,12 +198,19 @@ def _label(nbytes: int) -> str:
 
 
 def table(result: dict[str, Any]) -> str:
-    lines = [f"transport benchmark: Flight put+get vs raw loopback socket, {result['reps']} alternating reps",
-             f"{'batch (IPC bytes)':<18}{'rows':>6}{'Flight MB/s':>12}{'raw MB/s':>10}"
-             f"{'ratio':>8}{'min':>7}{'max':>7}  target"]
+    lines = [f"transport benchmark: put+get over Flight and over the same-node socket vs a raw loopback socket, "
+             f"{result['reps']} alternating reps",
+             "in one process (the producer is a thread of the trainer's process):",
+             f"{'batch (IPC bytes)':<18}{'rows':>6}{'raw MB/s':>10}{'Flight MB/s':>12}{'ratio':>7}"
+             f"{'local MB/s':>11}{'ratio':>7}{'min':>6}{'max':>6}  target (local)"]
     for row in result["sizes"]:
-        r = row["ratio"]
-        ok = "met" if r["median"] >= TARGET else "MISSED"
-        lines.append(f"{_label(row['bytes']):<18}{row['rows']:>6}{row['flight_mb_s']:>12.0f}{row['raw_mb_s']:>10.0f}"
-                     f"{r['median']:>8.2f}{r['min']:>7.2f}{r['max']:>7.2f}  >= {TARGET} {ok}")
+        flight_r, local_r, goal = row["flight_ratio"], row["local_ratio"], target(row["bytes"])
+        ok = "met" if local_r["median"] >= goal else "MISSED"
+        lines.append(f"{_label(row['bytes']):<18}{row['rows']:>6}{row['raw_mb_s']:>10.0f}{row['flight_mb_s']:>12.0f}"
+                     f"{flight_r['median']:>7.2f}{row['local_mb_s']:>11.0f}{local_r['median']:>7.2f}"
+                     f"{local_r['min']:>6.2f}{local_r['max']:>6.2f}  >= {goal} {ok}")
+    if result.get("across_processes"):
+        from bench import transport_procs
+
+        lines += transport_procs.table_lines(result["across_processes"], target)
     return "\n".join(lines)

@@ -2,6 +2,7 @@
 
     .venv/bin/python tools/flight_load.py                                   # 32 producers, docs/reliability.md
     .venv/bin/python tools/flight_load.py --producers 4 --batches 3 --tokens 65536  # few, large batches
+    .venv/bin/python tools/flight_load.py --route local                     # over the same-node socket
 
 Every batch is generated from (producer, index), hashed by the producer before sending and by
 the consumer on arrival; the report says how many arrived, whether the multiset of hashes is the
@@ -57,7 +58,7 @@ def digest(batch: RolloutBatch) -> str:
 
 
 def run_load(producers: int = 32, batches: int = 8, rows: int = 64, tokens: int = 1024, capacity: int = 4,
-             timeout_s: float = 300.0) -> dict:
+             timeout_s: float = 300.0, route: str = "flight") -> dict:
     """Run one load test on loopback; returns the figures (see the module docstring)."""
     process = psutil.Process()
     base_rss = process.memory_info().rss
@@ -66,10 +67,13 @@ def run_load(producers: int = 32, batches: int = 8, rows: int = 64, tokens: int 
     peak = {"rss": base_rss, "queued": 0, "waiting": 0}
     done = threading.Event()
 
-    with RolloutFlightServer(token=TOKEN, capacity=capacity) as server:
+    with RolloutFlightServer(token=TOKEN, capacity=capacity, local=route == "local") as server:
         def produce(p: int) -> None:
             try:
-                with RolloutFlightClient(f"grpc://127.0.0.1:{server.port}", TOKEN, f"producer-{p}") as client:
+                with RolloutFlightClient(f"grpc://127.0.0.1:{server.port}", TOKEN, f"producer-{p}",
+                                         local_location=server.local_location) as client:
+                    if client.same_node != (route == "local"):
+                        raise RuntimeError(f"asked for route {route!r}, the client took the other")
                     for i in range(batches):
                         batch = make_batch(p, i, rows, tokens)  # made when sent: memory is not the whole load
                         with sent_lock:
@@ -107,7 +111,8 @@ def run_load(producers: int = 32, batches: int = 8, rows: int = 64, tokens: int 
     extra = Counter(received) - Counter(sent)
     return {"producers": producers, "batches_sent": len(sent), "batches_received": len(received),
             "lost": sum(lost.values()), "duplicated_or_unknown": sum(extra.values()),
-            "server_duplicates": stats["duplicates"], "errors": errors, "capacity": capacity,
+            "server_duplicates": stats["duplicates"], "errors": errors, "capacity": capacity, "route": route,
+            "local_batches": stats.get("local_batches", 0),
             "max_queued": peak["queued"], "max_blocked_puts": peak["waiting"],
             "mib_sent": round(nbytes / 2**20, 1), "peak_rss_growth_mib": round((peak["rss"] - base_rss) / 2**20, 1),
             "batch_mib": round(nbytes / max(1, len(received)) / 2**20, 2),
@@ -121,8 +126,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rows", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=1024, help="at most this many response tokens per row")
     parser.add_argument("--capacity", type=int, default=4, help="the server's buffer, in batches")
+    parser.add_argument("--route", choices=("flight", "local"), default="flight",
+                        help="local: producers use the same-node Unix socket (data/transport/local.py)")
     args = parser.parse_args(argv)
-    result = run_load(args.producers, args.batches, args.rows, args.tokens, args.capacity)
+    result = run_load(args.producers, args.batches, args.rows, args.tokens, args.capacity, route=args.route)
     print(json.dumps(result))
     return result
 

@@ -1,5 +1,5 @@
-"""Load on the rollout path (tools/flight_load.py): 32 concurrent Flight producers on loopback and
-a few large batches — every batch arrives exactly once (count and sha256 end to end), the buffer
+"""Load on the rollout path (tools/flight_load.py): 32 concurrent producers on loopback (over Flight,
+and over the same-node socket) and a few large batches — every batch arrives exactly once (count and sha256 end to end), the buffer
 never holds more than its capacity, producers block instead of piling up (backpressure), and
 memory grows with the buffer, not with the traffic.
 """
@@ -25,13 +25,15 @@ def load(*args: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def test_32_producers_nothing_lost_or_doubled_and_memory_bounded() -> None:
-    short, long = load("--producers", "32", "--batches", "2"), load("--producers", "32", "--batches", "12")
+@pytest.mark.parametrize("route", ["flight", "local"])
+def test_32_producers_nothing_lost_or_doubled_and_memory_bounded(route: str) -> None:
+    short, long = (load("--producers", "32", "--batches", str(n), "--route", route) for n in (2, 12))
     for run in (short, long):
         assert run["batches_received"] == run["batches_sent"] == 32 * (2 if run is short else 12)
         assert run["lost"] == run["duplicated_or_unknown"] == run["server_duplicates"] == 0, run
         assert not run["errors"], run
         assert run["max_queued"] <= run["capacity"], run
+        assert run["local_batches"] == (run["batches_sent"] if route == "local" else 0), run
     assert long["max_queued"] == long["capacity"] and long["max_blocked_puts"] >= 1, long  # producers waited
     traffic_added = long["mib_sent"] - short["mib_sent"]
     assert traffic_added > 100, (short, long)
@@ -39,8 +41,9 @@ def test_32_producers_nothing_lost_or_doubled_and_memory_bounded() -> None:
     assert long["peak_rss_growth_mib"] < short["peak_rss_growth_mib"] + 0.5 * traffic_added, (short, long)
 
 
-def test_large_batches_arrive_whole() -> None:
-    run = load("--producers", "4", "--batches", "2", "--rows", "64", "--tokens", "16384")
-    assert run["batch_mib"] > 4  # cut into several record batches on the wire, one batch on arrival
+@pytest.mark.parametrize("route", ["flight", "local"])
+def test_large_batches_arrive_whole(route: str) -> None:
+    run = load("--producers", "4", "--batches", "2", "--rows", "64", "--tokens", "16384", "--route", route)
+    assert run["batch_mib"] > 4  # Flight: several record batches on the wire, one batch on arrival
     assert run["batches_received"] == run["batches_sent"] == 8
     assert run["lost"] == run["duplicated_or_unknown"] == 0 and not run["errors"], run

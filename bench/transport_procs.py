@@ -1,0 +1,109 @@
+"""The rollout transport across processes: a producer process puts, the trainer process takes.
+
+Why apart from `transport.py`: there the producer is a thread of the trainer's own process,
+so every acknowledgement is a hand-over of Python's GIL between two busy threads, which on
+this 2-vCPU VM costs more than moving 64 KB. In a run the producer is another process
+(a rollout rank), so this is the measurement that matches issue 19's target ("same node
+and across processes"). Routes, as in `transport.py`: "flight" (the gRPC stream),
+"local" (the same-node Unix socket), and the baseline, length-prefixed bytes over one
+loopback TCP connection answered with one byte. The producer times `transfers` puts (each
+returns once the trainer has the batch in its buffer); a consumer thread in the trainer
+takes batches off the buffer throughout, as the trainer does.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import statistics
+import threading
+import time
+from typing import Any
+
+from bench.transport import RawLoopback, _label, ipc_bytes, make_batch
+from verl_hpc.data.transport.flight import RolloutFlightClient, RolloutFlightServer
+
+TOKEN = "bench-procs"
+ROUTES = ("flight", "local")
+
+
+def _producer(location: str, local_location: str, raw_port: int, nbytes: int, reps: int, transfers: int,
+              out: Any) -> None:
+    """The child: alternate the routes and the raw socket, send back the seconds per transfer."""
+    batch = make_batch(nbytes)
+    payload = ipc_bytes(batch)
+    clients = {"flight": RolloutFlightClient(location, TOKEN, "procs-flight"),
+               "local": RolloutFlightClient(location, TOKEN, "procs-local", local_location=local_location)}
+    raw = RawLoopback.connect_to(raw_port)
+    times: dict[str, list[float]] = {name: [] for name in (*ROUTES, "raw")}
+    try:
+        for rep in range(reps + 1):  # rep 0 warms up every path and is dropped
+            n = transfers if rep else 1
+            for name in (*ROUTES, "raw"):
+                start = time.perf_counter()
+                for _ in range(n):
+                    clients[name].put(batch) if name != "raw" else raw.send(payload)
+                if rep:
+                    times[name].append((time.perf_counter() - start) / n)
+        out.send({"times": times, "same_node": clients["local"].same_node, "bytes": len(payload),
+                  "rows": len(batch)})
+    finally:
+        for client in clients.values():
+            client.close()
+        raw.close()
+
+
+def measure_size(nbytes: int, reps: int) -> dict[str, Any]:
+    transfers = max(1, min(32, (16 << 20) // nbytes))
+    server = RolloutFlightServer(token=TOKEN, capacity=2, local=True)
+    raw = RawLoopback(nbytes * 2, connect=False)
+    stop = threading.Event()
+
+    def consume() -> None:
+        while not stop.is_set():
+            try:
+                server.get(timeout=0.2)
+            except (TimeoutError, RuntimeError):
+                continue
+
+    consumer = threading.Thread(target=consume, daemon=True)
+    consumer.start()
+    ctx = mp.get_context("spawn")
+    parent_end, child_end = ctx.Pipe()
+    child = ctx.Process(target=_producer, args=(server.location, server.local_location, raw.port, nbytes, reps,
+                                                transfers, child_end))
+    try:
+        child.start()
+        result = parent_end.recv()
+        child.join(timeout=60)
+    finally:
+        stop.set()
+        consumer.join(timeout=5)
+        server.shutdown()
+        raw.close()
+    if not result["same_node"]:
+        raise RuntimeError("the producer did not take the same-node socket (VERL_HPC_ROLLOUT_LOCAL=0?)")
+    times = result["times"]
+    row: dict[str, Any] = {"bytes": result["bytes"], "rows": result["rows"], "transfers_per_rep": transfers,
+                           "raw_mb_s": result["bytes"] / statistics.median(times["raw"]) / 1e6}
+    for name in ROUTES:
+        ratios = [r / t for r, t in zip(times["raw"], times[name], strict=True)]
+        row[f"{name}_ratio"] = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
+        row[f"{name}_mb_s"] = result["bytes"] / statistics.median(times[name]) / 1e6
+    return row
+
+
+def measure(sizes: list[int], reps: int) -> list[dict[str, Any]]:
+    return [measure_size(size, reps) for size in sizes]
+
+
+def table_lines(rows: list[dict[str, Any]], target: Any) -> list[str]:
+    lines = ["across processes (a producer process puts, the trainer process takes):",
+             f"{'batch (IPC bytes)':<18}{'rows':>6}{'raw MB/s':>10}{'Flight MB/s':>12}{'ratio':>7}"
+             f"{'local MB/s':>11}{'ratio':>7}{'min':>6}{'max':>6}  target (local)"]
+    for row in rows:
+        local_r, goal = row["local_ratio"], target(row["bytes"])
+        ok = "met" if local_r["median"] >= goal else "MISSED"
+        lines.append(f"{_label(row['bytes']):<18}{row['rows']:>6}{row['raw_mb_s']:>10.0f}{row['flight_mb_s']:>12.0f}"
+                     f"{row['flight_ratio']['median']:>7.2f}{row['local_mb_s']:>11.0f}{local_r['median']:>7.2f}"
+                     f"{local_r['min']:>6.2f}{local_r['max']:>6.2f}  >= {goal} {ok}")
+    return lines
