@@ -225,18 +225,22 @@ def _phase_medians(rows: list[dict[str, float]]) -> dict[str, float]:
     return {k: statistics.median([r.get(k, 0.0) for r in rows]) for k in keys}
 
 
-def _split_run(preset: str, model_dir: Path, steps: int, run_dir: Path) -> list[float]:
+def _split_run(preset: str | None, model_dir: Path, steps: int, run_dir: Path, shape: Shape = TINY,
+               extra: list[str] | None = None) -> list[float]:
     """verl-hpc's distributed runtime, split placement, `max_staleness: 1`: the trainer's s/step.
 
     Actor, rollout and reward each in their own process (one thread each): generation of
-    step k+1 runs while step k trains. Start-up is outside the steps' timers.
+    step k+1 runs while step k trains. Start-up is outside the steps' timers. `preset`
+    None: `model_dir` is a real model, not a random one to make.
     """
-    overrides = [f"model.path={model_dir}", f"model.init_preset={preset}", f"trainer.total_steps={steps}",
-                 "algorithm.max_staleness=1", f"algorithm.sampling.max_new_tokens={NEW_TOKENS}",
+    init = [f"model.init_preset={preset}" if preset else "model.init_preset=null"]  # the config names one
+    overrides = [f"model.path={model_dir}", *init, f"trainer.total_steps={steps}",
+                 f"trainer.batch_size={shape.prompts * shape.n}", f"algorithm.sampling.n={shape.n}",
+                 "algorithm.max_staleness=1", f"algorithm.sampling.max_new_tokens={shape.new_tokens}",
                  "algorithm.kl.coef=0", "algorithm.entropy_coef=0", f"trainer.torch_threads={THREADS}",
                  "resources.actor.device_ids=[0]", "resources.rollout.device_ids=[1]",
                  "resources.reward.device_ids=[2]", "trainer.save_hf_model=false", "logging.progress=off",
-                 "trainer.actor_optim.grad_clip=1.0", f"trainer.actor_optim.lr={LR}"]
+                 "trainer.actor_optim.grad_clip=1.0", f"trainer.actor_optim.lr={shape.lr}", *(extra or [])]
     cmd = [sys.executable, "-m", "verl_hpc", "train", str(HERE.parent / "configs" / "quickstart_split.yaml"),
            "--run-dir", str(run_dir), *overrides]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800,
@@ -248,34 +252,41 @@ def _split_run(preset: str, model_dir: Path, steps: int, run_dir: Path) -> list[
     return [r["timing_s/step"] for r in read_jsonl_metrics(run_dir / "tensorboard" / "metrics.jsonl")]
 
 
-def measure_overlap(preset: str, reps: int, steps: int, work: Path, with_trl: bool = True) -> dict[str, Any]:
+def measure_overlap(preset: str, reps: int, steps: int, work: Path, with_trl: bool = True,
+                    model_dir: Path | None = None, shape: Shape = TINY, extra: list[str] | None = None,
+                    trl_threads: tuple[tuple[str, int], ...] = (("trl", THREADS), ("trl_2threads", 2)),
+                    ) -> dict[str, Any]:
     """Alternate a floor block, a split max_staleness=1 run and TRL blocks; ratios paired per repetition.
 
     TRL runs twice per repetition: with one intra-op thread like every process of the
     others, and with two — the cores the overlapped run's processes share — so the
-    comparison does not hand the project more hardware than its baseline.
+    comparison does not hand the project more hardware than its baseline. `model_dir`: a
+    real model (SmolLM2) instead of `preset`'s random one; the floor takes `shape.threads`.
     """
     from verl_hpc.models.tiny import init_model
 
-    torch.set_num_threads(THREADS)
-    model_dir = Path.home() / ".cache" / "verl-hpc" / "models" / f"{preset}-seed0"
-    init_model(model_dir, preset=preset, seed=0)
+    torch.set_num_threads(shape.threads)
+    made = model_dir is None
+    model_dir = model_dir or Path.home() / ".cache" / "verl-hpc" / "models" / f"{preset}-seed0"
+    if made:
+        init_model(model_dir, preset=preset, seed=0)
     examples = make_examples(512, 4, 0)
     prompts, answers = [e["prompt"] for e in examples], [e["ground_truth"] for e in examples]
-    floor = Floor(model_dir, prompts)
+    floor = Floor(model_dir, prompts, shape)
     floor.step()  # warm-up
     trl_reason = trl_unavailable() if with_trl else "not asked for"
     trls: dict[str, TRLProcess] = {}
     if trl_reason is None:
-        for name, threads in (("trl", THREADS), ("trl_2threads", 2)):
+        for name, threads in trl_threads:
             (work / f"{name}-{preset}").mkdir(exist_ok=True)
             trls[name] = TRLProcess(model_dir, prompts, answers, (steps + 1) * reps, work / f"{name}-{preset}",
-                                    threads=threads)
+                                    threads=threads, shape=shape)
     times: dict[str, list[float]] = {"floor": [], "overlapped": [], **{name: [] for name in trls}}
     try:
         for rep in range(reps):
             times["floor"].append(statistics.median([floor.step() for _ in range(steps)]))
-            run = _split_run(preset, model_dir, steps + 2, work / f"split-{preset}-{rep}")
+            run = _split_run(preset if made else None, model_dir, steps + 2, work / f"split-{preset}-{rep}",
+                             shape, extra)
             times["overlapped"].append(statistics.median(run[2:]))
             for name, trl in trls.items():
                 times[name].append(statistics.median(trl.block(steps + 1)[1:]))  # first step: warm-up

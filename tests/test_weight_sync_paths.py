@@ -4,8 +4,8 @@ In place: an HF engine's parameters become views of one flat buffer and every la
 lands in that same memory (no new tensors, nothing unpacked). Fallbacks: a consumer that
 keeps every tensor (vLLM's loader) gets fresh, still-valid buckets; a bfloat16 receiver
 gets the cast; a sender whose parameters lie back to back sends views; a bfloat16
-sender casts on the way out. All bit for bit, both between a pair (per-parameter
-send/recv) and to two receivers (bucketed broadcast, packing included).
+sender casts on the way out. All bit for bit, both between a pair and to two receivers
+(bucketed broadcasts, packing included).
 """
 
 from __future__ import annotations
@@ -164,10 +164,7 @@ def _receiver(out: Path) -> None:
                out / f"got{dist.get_rank()}.pt")
 
 
-def _worker(rank: int, world: int, out: str, pair_send_recv: bool = False) -> None:
-    from verl_hpc.roles import weight_sync
-
-    weight_sync.PAIR_SEND_RECV = pair_send_recv
+def _worker(rank: int, world: int, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{os.path.join(out, 'init')}", rank=rank, world_size=world)
     try:
@@ -178,12 +175,9 @@ def _worker(rank: int, world: int, out: str, pair_send_recv: bool = False) -> No
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("world", "pair_send_recv"), [(2, False), (2, True), (3, False)],
-                         ids=["pair", "pair-send-recv", "broadcast-to-two"])
-def test_in_place_and_fallback_syncs_are_bit_exact(tmp_path: Path, world: int, pair_send_recv: bool) -> None:
-    """Both of a pair's paths stay exact (the send/recv one is off by default: weight_sync.PAIR_SEND_RECV)."""
-    mp.start_processes(_worker, args=(world, str(tmp_path), pair_send_recv), nprocs=world, start_method="spawn",
-                       join=True)
+@pytest.mark.parametrize("world", [2, 3], ids=["pair", "broadcast-to-two"])
+def test_in_place_and_fallback_syncs_are_bit_exact(tmp_path: Path, world: int) -> None:
+    mp.start_processes(_worker, args=(world, str(tmp_path)), nprocs=world, start_method="spawn", join=True)
     sent = torch.load(tmp_path / "sent.pt", weights_only=True)
     for rank in range(1, world):
         _check_receiver(sent, torch.load(tmp_path / f"got{rank}.pt", weights_only=True))

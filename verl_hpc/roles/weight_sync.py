@@ -13,10 +13,11 @@ bucket cost more in page faults than the broadcast itself, and every copy compet
 the transfer for the same memory bandwidth). A parameter of half a bucket or more
 travels alone, as the sender's own (or freshly gathered) tensor, and so does a run of
 parameters already back to back in one storage; the rest is packed into two bucket
-buffers reused across syncs. With a single receiver the transfers are point-to-point
-sends (`_peer`), cheap enough that anything from 256 KB goes alone: nothing but norms
-is copied. With several receivers they are broadcasts, and only half-bucket tensors go
-alone. A receiver whose weights are views into one flat buffer
+buffers reused across syncs. Every transfer is a broadcast (down the chain of
+`weight_relay.py` with several receivers). A point-to-point path for a single receiver
+was deleted on 3 Dec (docs/benchmarks.md, "The send/recv path, deleted"): faster by a
+tenth, but it once aborted a CI run and the cause was never found. A receiver whose
+weights are views into one flat buffer
 (`flat_weights.flatten_params`: the HF engine's own copy) has every bucket land
 straight in its slice, nothing left to unpack.
 """
@@ -41,14 +42,6 @@ from verl_hpc.utils.collective import broadcast_kept
 # buckets: the sender prepares one while the other crosses), so an FSDP sender never
 # holds more than that beyond its shards; large enough for NCCL's bandwidth.
 DEFAULT_BUCKET_BYTES = 16 * 2**20
-# Between a pair (point-to-point) a transfer is cheap enough that a parameter this large
-# goes alone rather than be copied; smaller ones (norms, a tiny model) still share a bucket.
-PAIR_ALONE_BYTES = 256 * 2**10
-# Off: the pair's point-to-point path (1.16-1.30x a plain broadcast on the small model,
-# against 1.4-1.5x for bucketed broadcasts) aborted once in CI — SIGABRT, "terminate called
-# without an active exception" in the gloo sender — and did not reproduce in 33 runs here.
-# Until that is understood every sync uses the bucketed broadcasts, with a clean record.
-PAIR_SEND_RECV = False
 STOP_VERSION = -2  # a header with this version tells the receivers to stop: no weights follow
 # Per sending model: the two packing buffers, reused every sync; they go away with the model.
 _PACK_BUFFERS: weakref.WeakKeyDictionary[nn.Module, list[torch.Tensor]] = weakref.WeakKeyDictionary()
@@ -112,28 +105,9 @@ def _buckets(names_sizes: list[tuple[str, int]], bucket_bytes: int, alone_bytes:
     return buckets
 
 
-def _peer(group: dist.ProcessGroup | None, src: int) -> int | None:
-    """The lone receiver's global rank when the sync group is a pair; None for a broadcast.
-
-    A pair moves every parameter of `PAIR_ALONE_BYTES` or more as its own send/recv,
-    straight from the sender's tensor into the receiver's slice, and packs only runs of
-    smaller ones. Gloo runs point-to-point without its collective work queue: the small
-    model's sync this way took 1.2-1.3x one plain broadcast of its bytes, bucketed
-    broadcasts 1.4-1.5x, one broadcast per parameter 2x (bench/weight_sync.py, 30 Nov).
-    """
-    if not PAIR_SEND_RECV or group is None or dist.get_world_size(group) != 2:
-        return None
-    return next(rank for rank in dist.get_process_group_ranks(group) if rank != src)
-
-
-def _plan(sizes: list[tuple[str, int]], bucket_bytes: int, pair: bool) -> list[list[int]]:
-    """What each transfer carries: between a pair, anything from 256 KB alone; else `_buckets`."""
-    return _buckets(sizes, bucket_bytes, min(PAIR_ALONE_BYTES, bucket_bytes // 2) if pair else None)
-
-
 class _Once:
-    """A posted transfer that may be waited for twice: gloo's send/recv work blocks forever
-    on a second `wait()` (a packing buffer's last reader is also in the window)."""
+    """A posted transfer that may be waited for twice (a packing buffer's last reader is
+    also in the window): the second `wait()` returns at once."""
 
     def __init__(self, work: Any):
         self.work, self.done = work, False
@@ -144,14 +118,9 @@ class _Once:
             self.done = True
 
 
-def _transfer(tensor: torch.Tensor, k: int, src: int, group: dist.ProcessGroup, peer: int | None,
-              sending: bool) -> _Once:
-    """Post transfer `k` (async): a broadcast, or between a pair a send/recv tagged `k`."""
-    if peer is None:
-        return _Once(dist.broadcast(tensor, src=src, group=group, async_op=True))
-    if sending:
-        return _Once(dist.isend(tensor, dst=peer, group=group, tag=k))
-    return _Once(dist.irecv(tensor, src=src, group=group, tag=k))
+def _transfer(tensor: torch.Tensor, src: int, group: dist.ProcessGroup) -> _Once:
+    """Post one transfer (async): a broadcast from `src` over `group`."""
+    return _Once(dist.broadcast(tensor, src=src, group=group, async_op=True))
 
 
 class _Window:
@@ -166,19 +135,17 @@ class _Window:
                  data_group: dist.ProcessGroup | None = None):
         self.group, self.src, self.limit = group, src, limit
         self.data_group = data_group or group  # the chain's first link (weight_relay.py), else the sync group
-        self.peer = _peer(self.data_group, src)
         self.works: deque[tuple[Any, int]] = deque()
         self.bytes = 0
 
-    def post(self, tensor: torch.Tensor, k: int | None = None) -> Any:
-        """Transfer `k` of the plan; k=None: the header, always a broadcast (STOP must reach all)."""
+    def post(self, tensor: torch.Tensor, header: bool = False) -> Any:
+        """One bucket down the data group; `header`: over the whole sync group (STOP must reach all)."""
         nbytes = tensor.numel() * tensor.element_size()
         while self.works and self.bytes + nbytes > self.limit:
             self._finish_oldest()
         if self.group is None:
             return None
-        work = _Once(dist.broadcast(tensor, src=self.src, group=self.group, async_op=True)) if k is None else \
-            _transfer(tensor, k, self.src, self.data_group, self.peer, sending=True)
+        work = _transfer(tensor, self.src, self.group if header else self.data_group)
         self.works.append((work, nbytes))
         self.bytes += nbytes
         return work
@@ -216,35 +183,31 @@ def broadcast_weights(model: nn.Module, group: dist.ProcessGroup, src: int, vers
     window = _Window(group, src, limit=2 * bucket_bytes, data_group=relay.down if relay is not None else None)
     # Not waited for: the first bucket is prepared while the header crosses (one group: in order).
     window.post(torch.tensor([version, len(shapes), sum(s.numel() for _, s in shapes)], dtype=torch.int64,
-                             device=device))
-    if version == STOP_VERSION or window.peer is not None:
-        # A pair's data follows the header only once the header has left: the receiver
-        # posts its recvs only after reading it, so this costs nothing it would not wait
-        # for anyway, and no send can ever queue ahead of the header.
-        window.drain()
+                             device=device), header=True)
     if version == STOP_VERSION:
+        window.drain()
         return STOP_VERSION, 0
     sizes = [(n, s.numel() * WIRE_DTYPE.itemsize) for n, s in shapes]
     sent, packed = 0, 0
     readers: list[Any] = [None, None]  # the broadcast that last read each packing buffer
     gathered = iter_full_params(model)
-    for k, bucket in enumerate(_plan(sizes, bucket_bytes, window.peer is not None)):
+    for bucket in _buckets(sizes, bucket_bytes):
         tensors = [next(gathered)[1] for _ in bucket]
         flat = flat_view(tensors)  # a lone float32 tensor, or a run already back to back: as it is
         if flat is None and sum(t.numel() for t in tensors) * WIRE_DTYPE.itemsize > bucket_bytes:
             # One parameter larger than a bucket that still needs a cast: a transient copy,
             # not a kept buffer that large (a bf16 actor's embedding would pin GBs).
             flat = tensors[0].detach().to(WIRE_DTYPE, memory_format=torch.contiguous_format).reshape(-1)
-            window.post(flat, k)
+            window.post(flat)
         elif flat is None:
             slot = packed % 2
             if readers[slot] is not None:
                 readers[slot].wait()
             flat = _pack(tensors, _pack_buffers(model, bucket_bytes, tensors[0].device)[slot])
             packed += 1
-            readers[slot] = window.post(flat, k)
+            readers[slot] = window.post(flat)
         else:
-            window.post(flat, k)
+            window.post(flat)
         sent += flat.numel() * flat.element_size()
     window.drain()
     return version, sent
@@ -295,9 +258,7 @@ def receive_weights(specs: list[tuple[str, torch.Size]], group: dist.ProcessGrou
         raise WeightSyncError(f"actor and rollout models differ: sender has {int(header[1])} tensors / "
                               f"{int(header[2])} elements, receiver {len(specs)} / {elements}")
     data_group, data_src = (relay.up, relay.up_rank) if relay is not None and relay.up is not None else (group, src)
-    peer = _peer(data_group, data_src)
-    buckets = _plan([(n, shape.numel() * WIRE_DTYPE.itemsize) for n, shape in specs], bucket_bytes,
-                    pair=peer is not None)
+    buckets = _buckets([(n, shape.numel() * WIRE_DTYPE.itemsize) for n, shape in specs], bucket_bytes)
     if into is not None and not (into.dtype == WIRE_DTYPE and into.is_contiguous() and into.numel() == elements
                                  and into.device.type == torch.device(device).type):
         into = None
@@ -308,7 +269,7 @@ def receive_weights(specs: list[tuple[str, torch.Size]], group: dist.ProcessGrou
     def post(k: int) -> tuple[torch.Tensor, Any]:
         flat = into[starts[k]:starts[k + 1]] if into is not None else \
             torch.empty(starts[k + 1] - starts[k], dtype=WIRE_DTYPE, device=device)
-        return flat, _transfer(flat, k, data_src, data_group, peer, sending=False)
+        return flat, _transfer(flat, data_src, data_group)
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         # In place, every bucket is posted at once; otherwise bucket k+1 is received while
