@@ -58,12 +58,15 @@ class RolloutBuffer:
         self._waiting = 0
         self.counts = {"received": 0, "duplicates": 0, "consumed": 0, "rejected": 0}
 
-    def offer(self, key: tuple[str, int], batch: RolloutBatch, cancelled: Callable[[], bool]) -> str:
+    def offer(self, key: tuple[str, int], batch: RolloutBatch, cancelled: Callable[[], bool],
+              wake: bool = True) -> str:
         """Enqueue unless already seen; block while full. Returns "queued" or "duplicate".
 
         Why the seen-check sits inside the wait loop: a retry can arrive while the
         original put is still blocked; whichever gets space first enqueues, the other
-        then sees the key as seen and is acknowledged as a duplicate.
+        then sees the key as seen and is acknowledged as a duplicate. `wake=False`: the
+        caller wakes the consumer itself (`wake()`) once it has acknowledged the batch,
+        so the acknowledgement does not wait behind the consumer for Python's GIL.
         """
         with self._cond:
             self._last_heard[key[0]] = time.monotonic()
@@ -79,7 +82,8 @@ class RolloutBuffer:
                         self._queue.append(batch)
                         self._seen.add(key)
                         self.counts["received"] += 1
-                        self._cond.notify_all()
+                        if wake:
+                            self._cond.notify_all()
                         return "queued"
                     if cancelled():  # the producer timed out or died; free this handler
                         raise flight.FlightCancelledError("producer went away while the buffer was full")
@@ -107,6 +111,11 @@ class RolloutBuffer:
         now = time.monotonic()
         heard = sorted(self._last_heard.items(), key=lambda kv: kv[0])
         return ", ".join(f"{p} (last {now - t:.1f} s ago)" for p, t in heard) or "none"
+
+    def wake(self) -> None:
+        """Tell a waiting consumer that batches may be there (after `offer(..., wake=False)`)."""
+        with self._cond:
+            self._cond.notify_all()
 
     def qsize(self) -> int:
         with self._cond:

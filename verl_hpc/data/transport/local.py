@@ -204,10 +204,13 @@ class LocalRolloutServer:
             if schema is None:
                 raise flight.FlightServerError(f"{where}: a batch before its schema")
             batch = wire.assemble([pa.ipc.read_record_batch(message, schema)], where)
-            status = self._buffer.offer((producer, seq), batch, lambda: self._gone(conn))
+            status = self._buffer.offer((producer, seq), batch, lambda: self._gone(conn), wake=False)
             with self._lock:
                 self.counts["local_batches"] += 1
-            conn.sendall(_ACK.pack(seq, 0 if status == "queued" else 1))
+            try:  # acknowledged first, then the consumer woken: neither waits on the other for the GIL
+                conn.sendall(_ACK.pack(seq, 0 if status == "queued" else 1))
+            finally:
+                self._buffer.wake()
 
     def _gone(self, conn: socket.socket) -> bool:
         """Whether the producer closed its end (polled only while a put waits for room)."""
