@@ -215,3 +215,18 @@ def test_generate_restores_training_mode(tiny, prompts):
         assert model.training
     finally:
         model.eval()
+
+
+def test_sampled_logprobs_step_by_step_equal_the_stacked_formula_bit_for_bit() -> None:
+    """The per-step computation (no `[B, T, vocab]` stack, issue 16's step peak) changes no number."""
+    from verl_hpc.roles.forward import exclude_padding
+    from verl_hpc.roles.rollout.hf import _sampled_logprobs
+
+    torch.manual_seed(0)
+    steps = [torch.randn(6, 4099) * 3 for _ in range(9)]
+    tokens = torch.randint(0, 4099, (6, 9))
+    stacked = exclude_padding(torch.stack(steps, dim=1).float(), 5) / 0.7
+    expected = torch.log_softmax(stacked, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    given = list(steps)
+    assert torch.equal(_sampled_logprobs(given, tokens, 5, 0.7), expected)
+    assert given == [None] * 9  # each step's logits dropped once used

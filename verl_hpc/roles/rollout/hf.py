@@ -52,9 +52,9 @@ class HFRolloutEngine:
         )
         self.model.train(was_training)
         tokens = out.sequences[:, width:].cpu()
-        logits = exclude_padding(torch.stack(out.logits, dim=1).float().cpu(), unsampled_token(self.model))
-        logits = logits / sampling.temperature
-        logprobs = torch.log_softmax(logits, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+        step_logits = list(out.logits)
+        del out
+        logprobs = _sampled_logprobs(step_logits, tokens, unsampled_token(self.model), sampling.temperature)
         return _trim(tokens, logprobs, self.eos_ids, stopper.lengths if stopper else None)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
@@ -101,6 +101,25 @@ class _StopStringLengths:
         lengths = self.lengths.to(done.device)  # stays on the device: no sync per step
         self.lengths = torch.where(done & (lengths == 0), input_ids.shape[1] - self.prompt_width, lengths)
         return done
+
+
+def _sampled_logprobs(step_logits: list[torch.Tensor | None], tokens: torch.Tensor, pad_id: int | None,
+                      temperature: float) -> torch.Tensor:
+    """Log-probability of each sampled token, one generation step at a time; empties `step_logits`.
+
+    Why per step: stacking HF's per-step logits into `[B, T, vocab]` and then casting,
+    excluding the pad, scaling and log-softmaxing it made five such tensors. On SmolLM2
+    (49k vocab, 32 rows, 64 tokens) that was ~1.7 GB. It set the whole GRPO step's peak
+    memory, above the update's own (bench step_memory). Per step only one row-block of
+    logits is live beyond the ones HF returned, and each is dropped once used.
+    """
+    out = torch.empty(tokens.shape, dtype=torch.float32)
+    for t in range(tokens.shape[1]):
+        logits = step_logits[t]
+        step_logits[t] = None
+        scaled = exclude_padding(logits.float().cpu(), pad_id) / temperature  # type: ignore[union-attr]
+        out[:, t] = torch.log_softmax(scaled, dim=-1).gather(-1, tokens[:, t:t + 1]).squeeze(-1)
+    return out
 
 
 def _trim(tokens: torch.Tensor, logprobs: torch.Tensor, eos_ids: list[int],
