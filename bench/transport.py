@@ -65,23 +65,26 @@ class RawLoopback:
     def __init__(self, capacity: int, connect: bool = True) -> None:
         """A receiving thread on a fresh port; `connect=False`: the sender is another process
         (`connect_to(port)` there)."""
-        self._listener = socket.create_server(("127.0.0.1", 0)) if capacity else None
-        self.port = self._listener.getsockname()[1] if self._listener else 0
+        self._listener: socket.socket | None = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
         self._buffer = bytearray(capacity)
-        self._thread = threading.Thread(target=self._serve, daemon=True) if capacity else None
-        if self._thread is not None:
-            self._thread.start()
-        self._conn = socket.create_connection(("127.0.0.1", self.port)) if connect else None
-        if self._conn is not None:
-            self._conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._thread: threading.Thread | None = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+        self._conn = self._dial(self.port) if connect else None
 
     @classmethod
     def connect_to(cls, port: int) -> RawLoopback:
         """The sending end only, for a receiver in another process."""
-        raw = cls(0, connect=False)
-        raw._conn = socket.create_connection(("127.0.0.1", port))
-        raw._conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        raw = cls.__new__(cls)
+        raw._listener, raw._thread, raw.port = None, None, port
+        raw._conn = cls._dial(port)
         return raw
+
+    @staticmethod
+    def _dial(port: int) -> socket.socket:
+        conn = socket.create_connection(("127.0.0.1", port))
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return conn
 
     def _serve(self) -> None:
         conn, _ = self._listener.accept()  # type: ignore[union-attr]
