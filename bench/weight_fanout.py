@@ -1,6 +1,7 @@
 """The weight sync to R rollout ranks: the runtime's chain vs gloo's broadcast tree vs one plain broadcast.
 
-R + 1 processes on gloo (loopback): rank 0 holds the actor, ranks 1..R a rollout copy each.
+R + 1 processes on gloo (loopback): rank 0 holds the actor, laid out as a split run's lone
+actor is (`flatten_sender`: one buffer, buckets sent as views), ranks 1..R a rollout copy each.
 Three ways to move the same weights, alternating in each repetition after a barrier:
 - chain: what the split runtime runs with several rollout ranks (`broadcast_weights` with
   the relay of roles/weight_relay.py; one receiver: the sync group itself is the pair);
@@ -30,7 +31,7 @@ import torch.multiprocessing as mp
 
 from verl_hpc.models.tiny import PRESETS, build_model
 from verl_hpc.roles.weight_relay import chain_links, relay_for
-from verl_hpc.roles.weight_sync import DEFAULT_BUCKET_BYTES, broadcast_weights
+from verl_hpc.roles.weight_sync import DEFAULT_BUCKET_BYTES, broadcast_weights, flatten_sender
 from verl_hpc.utils.wire_count import tcp_bytes_sent
 
 TARGET = 1.3
@@ -57,6 +58,8 @@ def _worker(rank: int, world: int, init_file: str, preset: str, reps: int, out: 
         relay = relay_for(rank, links, [dist.new_group(ranks=pair) for pair in links])
         spec = PRESETS[preset]
         model = build_model(spec, spec.vocab_size, pad_id=0, eos_id=1, seed=0 if rank == 0 else rank)
+        if rank == 0:
+            flatten_sender(model)
         flat = torch.randn(sum(p.numel() for p in model.parameters()))
         counting = shutil.which("ss") is not None  # no iproute2: times only
         rows: list[dict[str, float]] = []

@@ -4,13 +4,15 @@ Two processes on gloo (NCCL on a GPU machine would run the same code): rank 0 ho
 actor, rank 1 a rollout copy of the same architecture. Project: what the split runtime
 runs — the sender's `broadcast_weights` (header, then parameters in flat buckets), the
 receiver's `receive_weights` into its HF rollout engine's flat weight buffer, then
-`push_weights` through the engine's `load_weights`. The actor's parameters are separate
-tensors, as in the runtime, so the sender packs them into buckets; a second small-model
-case gives the actor one flat buffer (`flatten_params`) and shows what sending views
-instead saves. Baseline: one `dist.broadcast` of a single pre-packed float32 tensor
-holding exactly as many bytes — no header, no packing, no unpacking: the floor.
-Repetitions alternate; a barrier before each timing lines the ranks up, and the time is
-rank 1's (the receiver's weights are ready when it returns).
+`push_weights` through the engine's `load_weights`. Two senders:
+- `runtime`: a split run's lone actor as the runtime lays it out (`flatten_sender`: its
+  parameters in one buffer, so every bucket goes as a view);
+- `packed`: separate parameter tensors, packed into buckets: what a sender whose tensors
+  are fresh every sync pays (FSDP2-gathered shards, a LoRA actor's merged weights).
+Baseline: one `dist.broadcast` of a single pre-packed float32 tensor holding exactly as
+many bytes — no header, no packing, no unpacking: the floor. Repetitions alternate; a
+barrier before each timing lines the ranks up, and the time is rank 1's (the receiver's
+weights are ready when it returns).
 
 Reported: time ratio = project / plain (median, min-max). Target <= 1.3.
 The receiver's weights are checked equal to the sender's after the project's sync, so a
@@ -32,12 +34,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from verl_hpc.models.tiny import PRESETS, build_model
-from verl_hpc.roles.flat_weights import flatten_params
 from verl_hpc.roles.rollout.hf import HFRolloutEngine
 from verl_hpc.roles.weight_sync import (
     DEFAULT_BUCKET_BYTES,
     broadcast_weights,
     engine_buffer,
+    flatten_sender,
     push_weights,
     receive_weights,
 )
@@ -45,15 +47,15 @@ from verl_hpc.roles.weight_sync import (
 TARGET = 1.3
 
 
-def _worker(rank: int, init_file: str, preset: str, reps: int, bucket_bytes: int, contiguous: bool,
+def _worker(rank: int, init_file: str, preset: str, reps: int, bucket_bytes: int, sender: str,
             out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
         spec = PRESETS[preset]
         model = build_model(spec, spec.vocab_size, pad_id=0, eos_id=1, seed=0 if rank == 0 else 1)
-        if contiguous and rank == 0:
-            flatten_params(model)
+        if sender == "runtime" and rank == 0 and not flatten_sender(model):
+            raise RuntimeError("the runtime would not flatten this actor: the bench's premise is wrong")
         numel = sum(p.numel() for p in model.parameters())
         flat = torch.randn(numel) if rank == 0 else torch.empty(numel)
         engine = HFRolloutEngine(model, SimpleNamespace(pad_token_id=0, eos_token_id=1))
@@ -92,28 +94,28 @@ def _summary(values: list[float]) -> dict[str, float]:
 
 
 def measure(preset: str, reps: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-            contiguous_sender: bool = False) -> dict[str, Any]:
+            sender: str = "runtime") -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="verl_hpc_bench_ws_") as tmp:
         out = os.path.join(tmp, "result.pt")
-        mp.spawn(_worker, args=(os.path.join(tmp, "init"), preset, reps, bucket_bytes, contiguous_sender, out),
+        mp.spawn(_worker, args=(os.path.join(tmp, "init"), preset, reps, bucket_bytes, sender, out),
                  nprocs=2, join=True)
         data = torch.load(Path(out))
     rows = data["rows"]
     ratios = [r["project_s"] / r["plain_s"] for r in rows]
-    return {"preset": preset, "sender": "contiguous" if contiguous_sender else "separate",
+    return {"preset": preset, "sender": sender,
             "params": data["params"], "bytes": data["bytes"], "bucket_bytes": bucket_bytes,
             "weights_equal": data["weights_equal"], "project_s": _summary([r["project_s"] for r in rows]),
             "plain_s": _summary([r["plain_s"] for r in rows]), "ratio": _summary(ratios), "rows": rows}
 
 
 def _key(case: dict[str, Any]) -> str:
-    suffix = "_contiguous_sender" if case.get("sender") == "contiguous" else ""
+    suffix = "_packed_sender" if case["sender"] == "packed" else ""
     return f"bucketed_vs_plain_{case['preset']}{suffix}"
 
 
 def run(quick: bool = False, scratch: str | None = None) -> dict[str, Any]:
-    cases = [measure("tiny", 5)] if quick else \
-        [measure("tiny", 9), measure("small", 9), measure("small", 9, contiguous_sender=True)]
+    cases = [measure("tiny", 5), measure("tiny", 5, sender="packed")] if quick else \
+        [measure("tiny", 9), measure("small", 15), measure("small", 15, sender="packed")]
     return {"quick": quick, "target": TARGET, "cases": cases, "ratios": {_key(c): c["ratio"] for c in cases}}
 
 
@@ -124,7 +126,7 @@ def table(result: dict[str, Any]) -> str:
     for c in result["cases"]:
         r = c["ratio"]
         ok = "met" if r["median"] <= TARGET else "MISSED"
-        lines.append(f"{c['preset']:<8}{c.get('sender', 'separate'):>11}{c['params'] / 1e6:>8.2f}M"
+        lines.append(f"{c['preset']:<8}{c['sender']:>11}{c['params'] / 1e6:>8.2f}M"
                      f"{c['bytes'] / 1e6:>7.1f}{c['project_s']['median']:>11.4f}{c['plain_s']['median']:>10.4f}"
                      f"{r['median']:>8.2f}{r['min']:>7.2f}{r['max']:>7.2f}  <= {TARGET} {ok}  {c['weights_equal']}")
     return "\n".join(lines)

@@ -182,3 +182,6 @@ def test_the_direct_intake_agrees_for_one_two_and_three_trainer_ranks(tmp_path: 
         assert last["perf/rollout_intake_rows"] == 48 / world, (name, last)
         # one machine: every batch took the same-node socket, none went through gRPC
         assert last["perf/rollout_intake_local_messages_total"] == last["perf/rollout_intake_messages_total"] > 0
+        # the lone actor sent its weights as views of one flat buffer (and trained to the same numbers)
+        flat = "one flat buffer" in (tmp_path / name / "logs" / "trainer_rank0.log").read_text()
+        assert flat == (world == 1), name

@@ -20,7 +20,7 @@ def flat_view(tensors: list[torch.Tensor]) -> torch.Tensor | None:
 
     Only float32 (the wire dtype) qualifies, so a view can be sent or received as it is.
     """
-    if not tensors:
+    if not tensors or any(type(t) is not torch.Tensor for t in tensors):  # a DTensor shard has no such storage
         return None
     first = tensors[0]
     storage = first.untyped_storage().data_ptr()
@@ -39,8 +39,11 @@ def flatten_params(model: nn.Module) -> torch.Tensor | None:
     Returns the existing buffer when the parameters already form one. Re-homing swaps
     each parameter's `.data`, so the `nn.Parameter` objects (and tied weights, which
     `named_parameters()` lists once) stay the same; only a model whose parameters are
-    all float32 dense tensors on one device qualifies. Call it only on a model nobody
-    else holds views of — the rollout engine's own copy, never the actor being trained.
+    all float32 dense tensors on one device qualifies. Call it only on a model whose
+    tensors nobody else holds apart from its `nn.Parameter`s (an old `.data` would go
+    stale): the rollout engine's own copy, or a split run's lone actor
+    (`weight_sync.flatten_sender`), whose optimizer, checkpoint and HF export all go
+    through the parameters.
     """
     params = [p for _, p in model.named_parameters()]
     if not params:

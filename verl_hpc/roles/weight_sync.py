@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from verl_hpc.roles.flat_weights import WIRE_DTYPE, flat_view, flatten_params, same_memory
-from verl_hpc.roles.lora import merged_params, merged_shapes
+from verl_hpc.roles.lora import has_adapters, merged_params, merged_shapes
 from verl_hpc.roles.weight_relay import Forwarder, Relay
 from verl_hpc.utils.collective import broadcast_kept
 
@@ -70,6 +70,23 @@ def stream_into(source: nn.Module, target: nn.Module) -> int:
             dest.copy_(tensor.to(dest.device, dest.dtype))
             copied += dest.numel() * dest.element_size()
     return copied
+
+
+def flatten_sender(model: nn.Module) -> bool:
+    """Lay a lone actor's parameters out in one buffer, in sync order; True if they now are.
+
+    Why: a sender whose parameters lie back to back sends every bucket as a view, with no
+    packing copy. On a pair that copy is the whole gap to one plain broadcast: on loopback
+    a broadcast is two memory copies, one per process, and packing adds a third that two
+    busy cores cannot hide (bench/weight_sync.py: ~1.5x packed, ~1.05x from views). Only a
+    split run's unsharded float32 actor qualifies: FSDP2 shards are gathered into fresh
+    tensors every sync, and a LoRA actor sends freshly merged weights. The optimizer keeps
+    the same `nn.Parameter` objects; checkpoints (DCP clones a view before writing it) and
+    the HF export read the views like any tensor.
+    """
+    if has_adapters(model):
+        return False
+    return flatten_params(model) is not None
 
 
 def gather_only(model: nn.Module) -> None:

@@ -24,6 +24,7 @@ from verl_hpc.roles.weight_sync import (
     STOP_VERSION,
     broadcast_weights,
     engine_buffer,
+    flatten_sender,
     gather_only,
     push_weights,
     receive_weights,
@@ -78,6 +79,9 @@ class Split(DistributedPlacement):
         self.sent_bytes = 0    # rollout rank: the Arrow bytes of this step's batch, for serve_metrics
         self.sent_version = 0  # ... and the policy version that sampled it
         self.connect()
+        sends = self.trains and self.ctx.sync_groups.get("rollout") is not None  # the leader
+        if sends and flatten_sender(self.roles.actor.model):  # type: ignore[union-attr]
+            log.info("the actor's parameters are one flat buffer: weight syncs send views, no packing")
 
     def connect(self) -> None:
         """Every trainer rank serves Flight; every rollout rank learns all their addresses and connects."""
