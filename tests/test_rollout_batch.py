@@ -270,6 +270,22 @@ def test_per_token_length_mismatch_rejected():
     check_rejected(record_batch(cols), "advantages", "lengths")
 
 
+def test_per_token_lengths_are_checked_whatever_the_offsets_look_like():
+    """The offset-bytes shortcut only says "equal"; sliced or shifted offsets take the row-by-row path."""
+    rb = two_rows().record_batch
+    validate(rb.slice(1, 1))  # sliced: offsets no longer start at the array's start
+    cols = columns_of(two_rows())
+    cols["rollout_logprobs"] = pa.array([[-0.5, -1.5], [-0.25, -2.0]], pa.list_(pa.float32()))
+    check_rejected(record_batch(cols).slice(1, 1), "rollout_logprobs", "lengths")
+    cols = columns_of(two_rows())  # same lengths (2, 3), offsets shifted by 4: [4, 6, 9], not [0, 2, 5]
+    cols["rollout_logprobs"] = pa.ListArray.from_arrays(pa.array([4, 6, 9], pa.int32()),
+                                                        pa.array([9.0] * 9, pa.float32()))
+    validate(pa.RecordBatch.from_arrays(list(cols.values()), schema=SCHEMA))
+    cols["rollout_logprobs"] = pa.ListArray.from_arrays(pa.array([4, 7, 9], pa.int32()),
+                                                        pa.array([9.0] * 9, pa.float32()))
+    check_rejected(pa.RecordBatch.from_arrays(list(cols.values()), schema=SCHEMA), "rollout_logprobs", "lengths")
+
+
 def test_with_columns_rejects_wrong_lengths():
     with pytest.raises(SchemaError, match="'values'"):
         two_rows().with_columns(values=pa.array([[1.0], [2.0]], pa.list_(pa.float32())))

@@ -37,7 +37,9 @@ SCHEMA = pa.schema([
 ])
 
 
-_NON_NULLABLE = tuple(f.name for f in SCHEMA if not f.nullable)
+_NON_NULLABLE_AT = tuple(i for i, f in enumerate(SCHEMA) if not f.nullable)
+_TOKEN_FLOAT_AT = tuple(SCHEMA.get_field_index(name) for name in TOKEN_FLOAT_COLUMNS)
+_RESPONSES_AT = SCHEMA.get_field_index("response_ids")
 
 
 class SchemaError(ValueError):
@@ -45,10 +47,14 @@ class SchemaError(ValueError):
 
 
 def validate(batch: pa.RecordBatch) -> None:
-    # Why the fast path: the rollout transport validates every received batch, and the
-    # per-field lookups below cost more than moving a small batch (bench/transport.py).
+    # Why the fast path: the rollout transport validates every received batch, and each
+    # column wrapper pyarrow makes costs ~1 µs, more than moving a small batch
+    # (docs/benchmarks.md, "the same-node route"): columns are read by position once the
+    # schema matches, and lengths are compared as offset bytes, not as numpy arrays.
     schema = batch.schema
-    if not schema.equals(SCHEMA):
+    if schema.equals(SCHEMA):
+        column = batch.column
+    else:
         names = set(schema.names)
         for field in SCHEMA:
             if field.name not in names:
@@ -56,16 +62,30 @@ def validate(batch: pa.RecordBatch) -> None:
             got = schema.field(field.name).type
             if got != field.type:
                 raise SchemaError(f"rollout batch: column {field.name!r} has type {got}, expected {field.type}")
-    for name in _NON_NULLABLE:
-        if batch.column(name).null_count:
-            raise SchemaError(f"rollout batch: column {name!r} has nulls")
-    resp_lens = None
-    for name in TOKEN_FLOAT_COLUMNS:
-        col = batch.column(name)
+
+        def column(i: int) -> pa.Array:
+            return batch.column(SCHEMA[i].name)
+    for i in _NON_NULLABLE_AT:
+        if column(i).null_count:
+            raise SchemaError(f"rollout batch: column {SCHEMA[i].name!r} has nulls")
+    responses = None
+    for i in _TOKEN_FLOAT_AT:
+        col = column(i)
         if col.null_count == 0:
-            resp_lens = _lengths(batch.column("response_ids")) if resp_lens is None else resp_lens
-            if not np.array_equal(_lengths(col), resp_lens):
-                raise SchemaError(f"rollout batch: column {name!r} lengths differ from response_ids")
+            responses = column(_RESPONSES_AT) if responses is None else responses
+            if not _same_lengths(col, responses):
+                raise SchemaError(f"rollout batch: column {SCHEMA[i].name!r} lengths differ from response_ids")
+
+
+def _same_lengths(a: pa.ListArray, b: pa.ListArray) -> bool:
+    """Row by row, do two list columns hold as many values? Equal offset bytes say yes at once."""
+    if len(a) != len(b):
+        return False
+    if a.offset == b.offset == 0:  # unsliced: the offsets of rows 0..n, as stored
+        nbytes = 4 * (len(a) + 1)
+        if a.buffers()[1][:nbytes].equals(b.buffers()[1][:nbytes]):
+            return True
+    return bool(np.array_equal(_lengths(a), _lengths(b)))
 
 
 def _lengths(col: pa.Array) -> np.ndarray:
