@@ -19,7 +19,7 @@ import threading
 import time
 from typing import Any
 
-from bench.transport import RawLoopback, _label, ipc_bytes, make_batch
+from bench.transport import RawLoopback, _label, ipc_bytes, make_batch, transfers_per_rep
 from verl_hpc.data.transport.flight import RolloutFlightClient, RolloutFlightServer
 
 TOKEN = "bench-procs"
@@ -53,7 +53,7 @@ def _producer(location: str, local_location: str, raw_port: int, nbytes: int, re
 
 
 def measure_size(nbytes: int, reps: int) -> dict[str, Any]:
-    transfers = max(1, min(32, (16 << 20) // nbytes))
+    transfers = transfers_per_rep(nbytes)
     server = RolloutFlightServer(token=TOKEN, capacity=2, local=True)
     raw = RawLoopback(nbytes * 2, connect=False)
     stop = threading.Event()
