@@ -35,11 +35,11 @@ import torch.multiprocessing as mp
 
 from verl_hpc.models.tiny import PRESETS, build_model
 from verl_hpc.roles.rollout.hf import HFRolloutEngine
+from verl_hpc.roles.weight_sender import flatten_sender
 from verl_hpc.roles.weight_sync import (
     DEFAULT_BUCKET_BYTES,
     broadcast_weights,
     engine_buffer,
-    flatten_sender,
     push_weights,
     receive_weights,
 )

@@ -20,7 +20,7 @@ from verl_hpc.models.tiny import PRESETS, build_model
 from verl_hpc.roles.actor import Actor
 from verl_hpc.roles.flat_weights import flat_view
 from verl_hpc.roles.lora import apply_lora
-from verl_hpc.roles.weight_sync import flatten_sender
+from verl_hpc.roles.weight_sender import flatten_sender
 from verl_hpc.runtime.checkpointing import ModelState
 
 
@@ -105,3 +105,62 @@ def test_lora_and_half_precision_actors_are_left_as_they_are() -> None:
         pointers = [p.data_ptr() for p in model.parameters()]
         assert not flatten_sender(model)
         assert [p.data_ptr() for p in model.parameters()] == pointers
+
+
+def _overlap_worker(rank: int, init_file: str, posted_file: str, out: str) -> None:
+    """Rank 0 posts a sync and steps its optimizer at once; rank 1 starts receiving only after."""
+    import os
+    import time
+
+    import torch.distributed as dist
+
+    from verl_hpc.roles.weight_sender import WeightSender
+    from verl_hpc.roles.weight_sync import receive_weights
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        actor = _actor(seed=rank)
+        specs = [(n, p.shape) for n, p in actor.model.named_parameters()]
+        if rank == 0:
+            sender = WeightSender(actor.model, actor.optimizer)
+            assert sender.overlaps
+            sent_weights = {n: p.detach().clone() for n, p in actor.model.named_parameters()}
+            sender.send(dist.group.WORLD, 0, version=1)
+            # The receiver has not posted a single receive yet, so nothing can have crossed.
+            still_crossing = sender.in_flight.pending
+            Path(posted_file).write_text("posted")
+            _train(actor, 1)  # its optimizer step must wait until the receiver has every bucket
+            changed = any(not torch.equal(p, sent_weights[n]) for n, p in actor.model.named_parameters())
+            torch.save({"still_crossing": still_crossing, "changed": changed, "sent": sent_weights}, out + ".0")
+        else:
+            while not os.path.exists(posted_file):
+                time.sleep(0.01)
+            time.sleep(0.5)  # give a sender that did not wait every chance to change the weights first
+            version, tensors = receive_weights(specs, dist.group.WORLD, 0)
+            torch.save({"version": version, "got": {n: t.clone() for n, t in tensors}}, out + ".1")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_an_overlapped_sync_holds_the_next_optimizer_step_until_it_has_crossed(tmp_path: Path) -> None:
+    """The sender returns with its sync still crossing, trains on, and the receiver still gets
+    exactly the weights of the version it was sent, never a mix with the next step's."""
+    import torch.multiprocessing as mp
+
+    out = str(tmp_path / "result")
+    mp.spawn(_overlap_worker, args=(str(tmp_path / "init"), str(tmp_path / "posted"), out), nprocs=2, join=True)
+    sender, receiver = torch.load(out + ".0"), torch.load(out + ".1")
+    assert sender["still_crossing"] and sender["changed"]  # in flight when posted; trained after
+    assert receiver["version"] == 1
+    for name, weight in sender["sent"].items():
+        assert torch.equal(receiver["got"][name], weight), name
+
+
+def test_an_overlapped_sync_reports_its_bytes_not_a_bandwidth() -> None:
+    from verl_hpc.runtime.step_metrics import sync_metrics
+
+    assert sync_metrics(4_000_000, 0.002) == {"perf/weight_sync_bytes": 4e6, "perf/weight_sync_gbps": 2.0}
+    assert sync_metrics(4_000_000, 0.002, overlapped=True) == {"perf/weight_sync_bytes": 4e6,
+                                                               "perf/weight_sync_overlapped": 1.0}

@@ -185,3 +185,7 @@ def test_the_direct_intake_agrees_for_one_two_and_three_trainer_ranks(tmp_path: 
         # the lone actor sent its weights as views of one flat buffer (and trained to the same numbers)
         flat = "one flat buffer" in (tmp_path / name / "logs" / "trainer_rank0.log").read_text()
         assert flat == (world == 1), name
+        # ... and left each sync in flight during the next step (no bandwidth from posting alone)
+        synced = [r for r in rows(tmp_path / name) if r.get("perf/weight_sync_bytes", 0) > 0]
+        assert synced and all(("perf/weight_sync_overlapped" in r) == flat for r in synced), name
+        assert all(("perf/weight_sync_gbps" in r) != flat for r in synced), name

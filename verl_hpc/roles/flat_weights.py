@@ -42,7 +42,7 @@ def flatten_params(model: nn.Module) -> torch.Tensor | None:
     all float32 dense tensors on one device qualifies. Call it only on a model whose
     tensors nobody else holds apart from its `nn.Parameter`s (an old `.data` would go
     stale): the rollout engine's own copy, or a split run's lone actor
-    (`weight_sync.flatten_sender`), whose optimizer, checkpoint and HF export all go
+    (`weight_sender.flatten_sender`), whose optimizer, checkpoint and HF export all go
     through the parameters.
     """
     params = [p for _, p in model.named_parameters()]

@@ -19,14 +19,18 @@ was deleted on 3 Dec (docs/benchmarks.md, "The send/recv path, deleted"): faster
 tenth, but it once aborted a CI run and the cause was never found. A receiver whose
 weights are views into one flat buffer
 (`flat_weights.flatten_params`: the HF engine's own copy) has every bucket land
-straight in its slice, nothing left to unpack.
+straight in its slice, nothing left to unpack. A sender laid out the same way (a split
+run's lone actor, `weight_sender.flatten_sender`) sends views and may leave the sync in flight
+(`post_weights`): the transfer overlaps the next step until its optimizer step.
 """
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections import deque
 from collections.abc import Iterator
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -34,7 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from verl_hpc.roles.flat_weights import WIRE_DTYPE, flat_view, flatten_params, same_memory
-from verl_hpc.roles.lora import has_adapters, merged_params, merged_shapes
+from verl_hpc.roles.lora import merged_params, merged_shapes
 from verl_hpc.roles.weight_relay import Forwarder, Relay
 from verl_hpc.utils.collective import broadcast_kept
 
@@ -70,23 +74,6 @@ def stream_into(source: nn.Module, target: nn.Module) -> int:
             dest.copy_(tensor.to(dest.device, dest.dtype))
             copied += dest.numel() * dest.element_size()
     return copied
-
-
-def flatten_sender(model: nn.Module) -> bool:
-    """Lay a lone actor's parameters out in one buffer, in sync order; True if they now are.
-
-    Why: a sender whose parameters lie back to back sends every bucket as a view, with no
-    packing copy. On a pair that copy is the whole gap to one plain broadcast: on loopback
-    a broadcast is two memory copies, one per process, and packing adds a third that two
-    busy cores cannot hide (bench/weight_sync.py: ~1.5x packed, ~1.05x from views). Only a
-    split run's unsharded float32 actor qualifies: FSDP2 shards are gathered into fresh
-    tensors every sync, and a LoRA actor sends freshly merged weights. The optimizer keeps
-    the same `nn.Parameter` objects; checkpoints (DCP clones a view before writing it) and
-    the HF export read the views like any tensor.
-    """
-    if has_adapters(model):
-        return False
-    return flatten_params(model) is not None
 
 
 def gather_only(model: nn.Module) -> None:
@@ -148,7 +135,7 @@ class _Window:
     reused once the transfer that last read it has finished.
     """
 
-    def __init__(self, group: dist.ProcessGroup | None, src: int, limit: int,
+    def __init__(self, group: dist.ProcessGroup | None, src: int, limit: float,
                  data_group: dist.ProcessGroup | None = None):
         self.group, self.src, self.limit = group, src, limit
         self.data_group = data_group or group  # the chain's first link (weight_relay.py), else the sync group
@@ -177,6 +164,31 @@ class _Window:
         self.bytes -= nbytes
 
 
+class SyncInFlight:
+    """A sender's buckets still crossing: `wait()` before the parameters they view may change.
+
+    Why: a flat sender (`flatten_sender`) sends views of the live parameters, so nothing
+    has to stay in memory for the transfer, and the trainer may go on with the next step
+    while the rollout ranks take the weights; only the next optimizer step must wait for
+    it (the split runtime hooks that step), or the engines would get a torn mix.
+    """
+
+    def __init__(self, window: _Window | None = None):
+        self._window = window
+
+    @property
+    def pending(self) -> bool:
+        return self._window is not None and bool(self._window.works)
+
+    def wait(self, timeout: timedelta | None = None) -> None:
+        """Until every bucket has crossed; `timeout` (at shutdown, when the receivers may be
+        gone) bounds each transfer's wait, else the group's own timeout does."""
+        window, self._window = self._window, None
+        while window is not None and window.works:
+            work, _ = window.works.popleft()
+            work.wait() if timeout is None else work.work.wait(timeout=timeout)
+
+
 def broadcast_weights(model: nn.Module, group: dist.ProcessGroup, src: int, version: int,
                       is_sender: bool, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                       relay: Relay | None = None) -> tuple[int, int]:
@@ -190,20 +202,36 @@ def broadcast_weights(model: nn.Module, group: dist.ProcessGroup, src: int, vers
     one flat buffer when they are all float32, so later syncs land in place). The other
     trainer ranks call `gather_only` at the same time, since the FSDP2 gathers are collectives.
     """
+    if is_sender:
+        version, sent, in_flight = post_weights(model, group, src, version, bucket_bytes, relay)
+        in_flight.wait()
+        return version, sent
     params = list(model.named_parameters())
-    device = params[0][1].device  # NCCL moves only GPU tensors; gloo takes either
-    if not is_sender:
-        got, tensors = receive_weights([(n, p.shape) for n, p in params], group, src, bucket_bytes, device,
-                                       into=flatten_params(model), relay=relay)
-        return got, _copy_into(params, tensors)
+    got, tensors = receive_weights([(n, p.shape) for n, p in params], group, src, bucket_bytes,
+                                   params[0][1].device, into=flatten_params(model), relay=relay)
+    return got, _copy_into(params, tensors)
+
+
+def post_weights(model: nn.Module, group: dist.ProcessGroup, src: int, version: int,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, relay: Relay | None = None,
+                 ) -> tuple[int, int, SyncInFlight]:
+    """The sender's side of `broadcast_weights`, left in flight when it can be: (version, bytes, in flight).
+
+    A flat sender's buckets are views of its parameters: all are posted at once and the
+    call returns. Any other sender (FSDP2 gathers, LoRA merges, packing) bounds what it
+    holds to two buckets and has finished when it returns.
+    """
+    device = next(model.parameters()).device  # NCCL moves only GPU tensors; gloo takes either
+    views = flat_view([p.detach() for p in model.parameters()]) is not None  # flatten_sender's layout
     shapes = merged_shapes(model)  # a LoRA sender sends the merged weights of the plain architecture
-    window = _Window(group, src, limit=2 * bucket_bytes, data_group=relay.down if relay is not None else None)
+    window = _Window(group, src, limit=math.inf if views else 2 * bucket_bytes,
+                     data_group=relay.down if relay is not None else None)
     # Not waited for: the first bucket is prepared while the header crosses (one group: in order).
     window.post(torch.tensor([version, len(shapes), sum(s.numel() for _, s in shapes)], dtype=torch.int64,
                              device=device), header=True)
     if version == STOP_VERSION:
         window.drain()
-        return STOP_VERSION, 0
+        return STOP_VERSION, 0, SyncInFlight()
     sizes = [(n, s.numel() * WIRE_DTYPE.itemsize) for n, s in shapes]
     sent, packed = 0, 0
     readers: list[Any] = [None, None]  # the broadcast that last read each packing buffer
@@ -226,8 +254,9 @@ def broadcast_weights(model: nn.Module, group: dist.ProcessGroup, src: int, vers
         else:
             window.post(flat)
         sent += flat.numel() * flat.element_size()
-    window.drain()
-    return version, sent
+    if not views:
+        window.drain()
+    return version, sent, SyncInFlight(window if views else None)
 
 
 def _pack_buffers(model: nn.Module, bucket_bytes: int, device: torch.device) -> list[torch.Tensor]:

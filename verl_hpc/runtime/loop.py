@@ -163,7 +163,8 @@ class RLTrainer(StepCounters):
                    **memory_metrics(p.roles.device), **actor.allocator.metrics(),  # type: ignore[union-attr]
                    "actor/policy_version": float(self.policy_version)}
         if sync_bytes or p.last_sync_bytes:
-            metrics.update(sync_metrics(sync_bytes, timer.seconds.get("timing_s/update_weights", 0.0)))
+            metrics.update(sync_metrics(sync_bytes, timer.seconds.get("timing_s/update_weights", 0.0),
+                                        overlapped=p.sync_overlapped))
         reward = p.roles.reward
         if reward is not None and hasattr(reward, "metrics"):
             metrics.update(reward.metrics())

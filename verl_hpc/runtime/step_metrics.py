@@ -175,7 +175,13 @@ def prefixed(prefix: str, values: dict[str, float]) -> dict[str, float]:
     return {f"{prefix}/{k}": v for k, v in values.items()}
 
 
-def sync_metrics(moved: int, seconds: float) -> dict[str, float]:
-    """Bytes and throughput of one weight update (0 GB/s when nothing moved)."""
+def sync_metrics(moved: int, seconds: float, overlapped: bool = False) -> dict[str, float]:
+    """Bytes and throughput of one weight update (0 GB/s when nothing moved).
+
+    `overlapped`: the sender only posted the transfer (it crosses during the next step), so
+    its seconds say nothing of the bandwidth; the rollout ranks' own metrics do.
+    """
+    if overlapped:
+        return {"perf/weight_sync_bytes": float(moved), "perf/weight_sync_overlapped": 1.0}
     return {"perf/weight_sync_bytes": float(moved),
             "perf/weight_sync_gbps": moved / seconds / 1e9 if moved and seconds > 0 else 0.0}

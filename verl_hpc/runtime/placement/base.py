@@ -87,6 +87,7 @@ class Placement:
         self.cfg, self.run_dir, self.roles = cfg, run_dir, roles
         self.world, self.rank = world, rank  # data-parallel trainer ranks, and this one's index
         self.last_sync_bytes = 0
+        self.sync_overlapped = False  # a weight sync may still cross while the next step runs
 
     # --- who this process is -------------------------------------------------------------
     @property

@@ -20,11 +20,10 @@ import torch.distributed as dist
 
 from verl_hpc.data.layout import even_owner, even_slices, row_owner
 from verl_hpc.data.rollout_batch import RolloutBatch
+from verl_hpc.roles.weight_sender import WeightSender
 from verl_hpc.roles.weight_sync import (
     STOP_VERSION,
-    broadcast_weights,
     engine_buffer,
-    flatten_sender,
     gather_only,
     push_weights,
     receive_weights,
@@ -78,10 +77,15 @@ class Split(DistributedPlacement):
         self.router: RolloutRouter | None = None   # every rollout rank: a client per trainer rank
         self.sent_bytes = 0    # rollout rank: the Arrow bytes of this step's batch, for serve_metrics
         self.sent_version = 0  # ... and the policy version that sampled it
+        self.sender: WeightSender | None = None  # the leader's: every weight sync goes through it
         self.connect()
-        sends = self.trains and self.ctx.sync_groups.get("rollout") is not None  # the leader
-        if sends and flatten_sender(self.roles.actor.model):  # type: ignore[union-attr]
-            log.info("the actor's parameters are one flat buffer: weight syncs send views, no packing")
+        if self.trains and self.ctx.sync_groups.get("rollout") is not None:
+            actor = self.roles.actor
+            self.sender = WeightSender(actor.model, actor.optimizer)  # type: ignore[union-attr]
+            self.sync_overlapped = self.sender.overlaps
+            if self.sender.overlaps:
+                log.info("the actor's parameters are one flat buffer: weight syncs send views, no packing, "
+                         "and overlap the next step until its optimizer step")
 
     def connect(self) -> None:
         """Every trainer rank serves Flight; every rollout rank learns all their addresses and connects."""
@@ -179,8 +183,7 @@ class Split(DistributedPlacement):
         if group is None:  # not the leader: only join the FSDP gathers the leader's send needs
             gather_only(self.roles.actor.model)  # type: ignore[union-attr]
             return 0
-        return broadcast_weights(self.roles.actor.model, group, self.leader, version, True,  # type: ignore[union-attr]
-                                 relay=self.ctx.weight_relay)[1]
+        return self.sender.send(group, self.leader, version, self.ctx.weight_relay)  # type: ignore[union-attr]
 
     def resume_weights(self, version: int) -> None:
         if self.trains:
@@ -327,6 +330,7 @@ class Split(DistributedPlacement):
             self.intake.shutdown()  # unblocks a rollout waiting on this rank's full buffer
         if not self.is_leader or "rollout" not in self.ctx.sync_groups:
             return
+        self.settle_sync()
         header = torch.tensor([STOP_VERSION, 0, 0], dtype=torch.int64, device=self.roles.device)
         work = dist.broadcast(header, src=self.ctx.env.rank, group=self.ctx.sync_groups["rollout"], async_op=True)
         try:
@@ -334,7 +338,17 @@ class Split(DistributedPlacement):
         except RuntimeError as err:
             log.warning("rollout ranks did not take the stop message: %s", err)
 
+    def settle_sync(self) -> None:
+        """At the end: the last weight sync crossed, or a warning after a short wait (receivers gone)."""
+        if self.sender is None:
+            return
+        try:
+            self.sender.settle(timeout=timedelta(seconds=5))
+        except RuntimeError as err:
+            log.warning("the last weight sync did not finish: %s", err)
+
     def close(self) -> None:
+        self.settle_sync()
         super().close()
         if self.router is not None:
             self.router.close()
