@@ -185,8 +185,11 @@ class SyncInFlight:
         gone) bounds each transfer's wait, else the group's own timeout does."""
         window, self._window = self._window, None
         while window is not None and window.works:
-            work, _ = window.works.popleft()
-            work.wait() if timeout is None else work.work.wait(timeout=timeout)
+            posted, _ = window.works.popleft()
+            if timeout is None:
+                posted.wait()
+            else:
+                posted.work.wait(timeout=timeout)
 
 
 def broadcast_weights(model: nn.Module, group: dist.ProcessGroup, src: int, version: int,
