@@ -18,7 +18,7 @@ from verl_hpc.checkpoint.manager import CheckpointManager
 from verl_hpc.config.schema import AlgorithmConfig, LoraConfig, OptimConfig
 from verl_hpc.models.tiny import PRESETS, build_model
 from verl_hpc.roles.actor import Actor
-from verl_hpc.roles.flat_weights import flat_view
+from verl_hpc.roles.flat_weights import params_view
 from verl_hpc.roles.lora import apply_lora
 from verl_hpc.roles.weight_sender import flatten_sender
 from verl_hpc.runtime.checkpointing import ModelState
@@ -41,7 +41,7 @@ def _train(actor: Actor, steps: int) -> None:
 
 
 def _is_flat(model: torch.nn.Module) -> bool:
-    return flat_view([p.detach() for p in model.parameters()]) is not None
+    return params_view(model) is not None
 
 
 def test_a_flattened_actor_trains_bit_for_bit_like_a_separate_one() -> None:
@@ -72,12 +72,12 @@ def test_checkpoints_of_a_flat_actor_hold_each_parameter_once_and_load_back_in_p
 
         fresh = _actor(seed=1)
         flatten_sender(fresh.model)
-        buffer = flat_view([p.detach() for p in fresh.model.parameters()])
+        buffer = params_view(fresh.model)
         state = {"actor": ModelState(fresh).state_dict()}
         manager.load(path, state)
         ModelState(fresh).load_state_dict(state["actor"])
         assert _is_flat(fresh.model)
-        assert flat_view([p.detach() for p in fresh.model.parameters()]).data_ptr() == buffer.data_ptr()
+        assert params_view(fresh.model).data_ptr() == buffer.data_ptr()
         for name, param in fresh.model.named_parameters():
             assert torch.equal(param, saved[name]), (async_save, name)
 

@@ -33,6 +33,11 @@ def flat_view(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     return torch.as_strided(first.detach(), (offset - first.storage_offset(),), (1,), first.storage_offset())
 
 
+def params_view(model: nn.Module) -> torch.Tensor | None:
+    """All of `model`'s parameters as one flat view, if they already lie back to back; else None."""
+    return flat_view([p.detach() for _, p in model.named_parameters()])
+
+
 def flatten_params(model: nn.Module) -> torch.Tensor | None:
     """The model's parameters as views into one float32 buffer (made once, in place); None if they can't be.
 
@@ -48,7 +53,7 @@ def flatten_params(model: nn.Module) -> torch.Tensor | None:
     params = [p for _, p in model.named_parameters()]
     if not params:
         return None
-    existing = flat_view([p.detach() for p in params])
+    existing = params_view(model)
     if existing is not None:
         return existing
     device = params[0].device

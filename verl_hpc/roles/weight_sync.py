@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from verl_hpc.roles.flat_weights import WIRE_DTYPE, flat_view, flatten_params, same_memory
+from verl_hpc.roles.flat_weights import WIRE_DTYPE, flat_view, flatten_params, params_view, same_memory
 from verl_hpc.roles.lora import merged_params, merged_shapes
 from verl_hpc.roles.weight_relay import Forwarder, Relay
 from verl_hpc.utils.collective import broadcast_kept
@@ -225,7 +225,7 @@ def post_weights(model: nn.Module, group: dist.ProcessGroup, src: int, version: 
     holds to two buckets and has finished when it returns.
     """
     device = next(model.parameters()).device  # NCCL moves only GPU tensors; gloo takes either
-    views = flat_view([p.detach() for p in model.parameters()]) is not None  # flatten_sender's layout
+    views = params_view(model) is not None  # flatten_sender's layout: every bucket a view of the live weights
     shapes = merged_shapes(model)  # a LoRA sender sends the merged weights of the plain architecture
     window = _Window(group, src, limit=math.inf if views else 2 * bucket_bytes,
                      data_group=relay.down if relay is not None else None)
