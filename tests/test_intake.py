@@ -92,3 +92,52 @@ def test_restored_rollouts_are_refiled_for_this_rank_only() -> None:
             intake.take(8, 5, 0.2, lambda have: f"only {have}")
     finally:
         intake.shutdown()
+
+
+@pytest.mark.parametrize("same_node", [True, False], ids=["unix-socket", "flight"])
+def test_a_trainer_rank_with_a_full_buffer_does_not_hold_up_the_others_rows(same_node: bool) -> None:
+    """Rank 0's buffer is full: rank 1 still gets its part at once; rank 0's lands when it makes room.
+
+    Before the router sent its parts at the same time, rank 1 waited behind rank 0's blocked put.
+    """
+    import threading
+
+    intakes = [TrainerIntake("127.0.0.1", TOKEN, capacity=1) for _ in range(2)]
+    local = [i.local_location for i in intakes] if same_node else None
+    router = RolloutRouter([i.location for i in intakes], TOKEN, "rollout0", local)
+    try:
+        router.put(_batch(1, 2, step=0), np.array([0, 0]))  # fills rank 0's buffer (capacity 1)
+        batch = _batch(2, 2, step=1)
+        done = threading.Event()
+        worker = threading.Thread(target=lambda: (router.put(batch, np.array([0, 0, 1, 1])), done.set()))
+        worker.start()
+        got = intakes[1].server.get(timeout=20)  # rank 1's rows, while rank 0's put is still blocked
+        assert positions(got, 2).tolist() == [2, 3] and not done.is_set()
+        assert intakes[0].server.stats()["waiting_puts"] == 1
+        assert int(intakes[0].server.get(timeout=20).column("step")[0].as_py()) == 0  # rank 0 makes room
+        worker.join(timeout=20)
+        assert done.is_set()
+        last = intakes[0].server.get(timeout=20)
+        assert int(last.column("step")[0].as_py()) == 1 and positions(last, 2).tolist() == [0, 1]
+        assert intakes[0].server.stats()["duplicates"] == 0
+    finally:
+        router.close()
+        for intake in intakes:
+            intake.shutdown()
+
+
+def test_a_refused_part_is_raised_after_the_other_parts_have_landed() -> None:
+    """Rank 0 refuses its part (a wrong token there): the put raises, and rank 1's part still landed."""
+    import pyarrow.flight as flight
+
+    intakes = [TrainerIntake("127.0.0.1", "another-secret"), TrainerIntake("127.0.0.1", TOKEN)]
+    router = RolloutRouter([i.location for i in intakes], TOKEN, "rollout0", [i.local_location for i in intakes])
+    try:
+        with pytest.raises(flight.FlightUnauthenticatedError):
+            router.put(_batch(2, 2, step=3), np.array([0, 0, 1, 1]))
+        assert positions(intakes[1].server.get(timeout=20), 2).tolist() == [2, 3]
+        assert intakes[0].server.stats()["queued"] == 0
+    finally:
+        router.close()
+        for intake in intakes:
+            intake.shutdown()
