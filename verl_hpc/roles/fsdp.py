@@ -89,17 +89,28 @@ _last_gather: list[torch.Tensor] = []  # the previous gather's buffers, kept unt
 
 
 def _gather_rows(tensor: torch.Tensor) -> torch.Tensor:
-    """A row-sharded DTensor, whole: every rank pads its rows to ceil(rows / world) (FSDP2's and
-    DTensor's chunking), one all-gather, the padding cut off."""
+    """A row-sharded DTensor, whole: rank r's rows are rows [r * c, r * c + its count) with
+    c = ceil(rows / world) (FSDP2's and DTensor's chunking), so each rank copies its rows
+    into its own chunk of one buffer and every rank broadcasts its chunk to the others.
+
+    Why broadcasts and not gloo's all-gather: on gloo the all-gather of 40 MB took 3.3x one
+    broadcast of the whole (its internal staging copy and ring), W concurrent broadcasts
+    1.4x (docs/benchmarks.md, "An FSDP2 sender"); a sync of a sharded actor is one such
+    gather per parameter.
+    """
     group = tensor.device_mesh.get_group()
     world, rows = dist.get_world_size(group), tensor.shape[0]
     per_rank = -(-rows // world)
     local = tensor.to_local()
-    padded = local.new_zeros((per_rank, *tensor.shape[1:]))
-    padded[:local.shape[0]].copy_(local)
     out = local.new_empty((per_rank * world, *tensor.shape[1:]))
-    dist.all_gather_into_tensor(out, padded, group=group)
-    _last_gather[:] = [padded, out]
+    chunks = [out.narrow(0, r * per_rank, per_rank) for r in range(world)]
+    me = dist.get_rank(group)
+    chunks[me][:local.shape[0]].copy_(local)
+    members = dist.get_process_group_ranks(group)
+    works = [dist.broadcast(chunks[r], src=members[r], group=group, async_op=True) for r in range(world)]
+    for work in works:
+        work.wait()
+    _last_gather[:] = [out]
     return out[:rows]
 
 
