@@ -33,6 +33,7 @@ from verl_hpc.models.tiny import PRESETS, build_model
 from verl_hpc.roles.weight_relay import chain_links, relay_for
 from verl_hpc.roles.weight_sender import flatten_sender
 from verl_hpc.roles.weight_sync import DEFAULT_BUCKET_BYTES, broadcast_weights
+from verl_hpc.utils.proc import exit_now
 from verl_hpc.utils.wire_count import tcp_bytes_sent
 
 TARGET = 1.3
@@ -84,6 +85,7 @@ def _worker(rank: int, world: int, init_file: str, preset: str, reps: int, out: 
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    exit_now(0)  # done and written: no teardown abort (verl_hpc/utils/proc.py)
 
 
 def _summary(values: list[float]) -> dict[str, float]:

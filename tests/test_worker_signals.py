@@ -137,7 +137,7 @@ def test_exit_now_flushes_logs_and_output_and_skips_finalization(tmp_path: Path)
     code = LATE_USR1.replace("survived the late USR1", "finalization ran") + (
         "import logging, sys\n"
         f"logging.basicConfig(filename={str(log_file)!r}, level=logging.INFO)\n"
-        "from verl_hpc.runtime.worker import exit_now\n"
+        "from verl_hpc.utils.proc import exit_now\n"
         "logging.getLogger('worker').info('the last record')\n"
         "sys.stdout.write('buffered, no newline')\n"
         "exit_now(3)\n")

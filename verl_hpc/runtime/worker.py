@@ -6,9 +6,7 @@ comes from the environment (rank, world, master) and the run directory (config.y
 
 from __future__ import annotations
 
-import contextlib
 import faulthandler
-import logging
 import os
 import signal
 import sys
@@ -30,6 +28,7 @@ from verl_hpc.runtime.dist import DistContext, default_store, init_distributed  
 from verl_hpc.runtime.env import JobEnvironment  # noqa: E402
 from verl_hpc.runtime.signals import EXIT_STOPPED_UNFINISHED, StopFlag, ignore_notices_until_exit  # noqa: E402
 from verl_hpc.utils.logging import get_logger, setup_logging  # noqa: E402
+from verl_hpc.utils.proc import exit_now  # noqa: E402  (finished runs leave by it)
 
 
 def redirect_output(log_dir: str | None, group: str, env: JobEnvironment) -> Path | None:
@@ -147,24 +146,6 @@ def run() -> int:
         return main()
     finally:
         ignore_notices_until_exit()
-
-
-def exit_now(code: int) -> None:
-    """Leave without interpreter finalization, once everything that matters is closed (a run
-    that finished or stopped cleanly; a failure exits normally, see `__main__`).
-
-    Why: by the time `run` returns, the process groups are destroyed, the last checkpoint is
-    committed, the metric files and the rollout server are closed, and any engine process
-    has been stopped. What finalization would still do is tear down native threads (gloo's
-    pair threads, gRPC's pollers, DCP's writer pool) against a half-dismantled interpreter,
-    and that turned finished runs into SIGABRT exits ("terminate called without an active
-    exception") that the launcher rightly reports as failures. Logs are flushed first.
-    """
-    logging.shutdown()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(OSError, ValueError):  # a closed or broken stream: nothing to save
-            stream.flush()
-    os._exit(code)
 
 
 if __name__ == "__main__":
