@@ -4,14 +4,18 @@ Two processes on gloo (NCCL on a GPU machine would run the same code): rank 0 ho
 actor, rank 1 a rollout copy of the same architecture. Project: what the split runtime
 runs — the sender's `broadcast_weights` (header, then parameters in flat buckets), the
 receiver's `receive_weights` into its HF rollout engine's flat weight buffer, then
-`push_weights` through the engine's `load_weights`. Two senders:
+`push_weights` through the engine's `load_weights`. Three senders:
 - `runtime`: a split run's lone actor as the runtime lays it out (`flatten_sender`: its
   parameters in one buffer, so every bucket goes as a view);
 - `packed`: separate parameter tensors, packed into buckets: what a sender whose tensors
-  are fresh every sync pays (FSDP2-gathered shards, a LoRA actor's merged weights).
+  are fresh every sync pays (a LoRA actor's merged weights);
+- `fsdp`: the actor FSDP2-sharded over two trainer ranks (three processes; the second
+  trainer rank joins the gathers, `join_send_gathers`): each bucket is gathered from the
+  shards and sent (bucket_gather.py). Its floor is about two broadcasts, not one: the
+  bytes cross once to gather and once to send.
 Baseline: one `dist.broadcast` of a single pre-packed float32 tensor holding exactly as
 many bytes — no header, no packing, no unpacking: the floor. Repetitions alternate; a
-barrier before each timing lines the ranks up, and the time is rank 1's (the receiver's
+barrier before each timing lines the ranks up, and the time is the receiver's (its
 weights are ready when it returns).
 
 Reported: time ratio = project / plain (median, min-max). Target <= 1.3.
@@ -34,31 +38,40 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from verl_hpc.models.tiny import PRESETS, build_model
+from verl_hpc.roles.fsdp import full_tensor, shard_model
 from verl_hpc.roles.rollout.hf import HFRolloutEngine
 from verl_hpc.roles.weight_sender import flatten_sender
 from verl_hpc.roles.weight_sync import (
     DEFAULT_BUCKET_BYTES,
     broadcast_weights,
     engine_buffer,
+    join_send_gathers,
     push_weights,
     receive_weights,
 )
+from verl_hpc.utils.proc import exit_now
 
 TARGET = 1.3
 
 
 def _worker(rank: int, init_file: str, preset: str, reps: int, bucket_bytes: int, sender: str,
             out: str) -> None:
+    """Rank 0 sends, the last rank receives; with sender `fsdp`, rank 1 holds the actor's other shard."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    world = 3 if sender == "fsdp" else 2
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        spec = PRESETS[preset]
-        model = build_model(spec, spec.vocab_size, pad_id=0, eos_id=1, seed=0 if rank == 0 else 1)
+        trainers = dist.new_group([0, 1]) if sender == "fsdp" else None
+        sync = dist.new_group([0, world - 1]) if sender == "fsdp" else dist.group.WORLD
+        receiver, spec = rank == world - 1, PRESETS[preset]
+        model = build_model(spec, spec.vocab_size, pad_id=0, eos_id=1, seed=1 if receiver else 0)
+        numel = sum(p.numel() for p in model.parameters())
         if sender == "runtime" and rank == 0 and not flatten_sender(model):
             raise RuntimeError("the runtime would not flatten this actor: the bench's premise is wrong")
-        numel = sum(p.numel() for p in model.parameters())
+        if trainers is not None and not receiver:
+            shard_model(model, trainers, "cpu")
         flat = torch.randn(numel) if rank == 0 else torch.empty(numel)
-        engine = HFRolloutEngine(model, SimpleNamespace(pad_token_id=0, eos_token_id=1))
+        engine = HFRolloutEngine(model, SimpleNamespace(pad_token_id=0, eos_token_id=1)) if receiver else None
         rows: list[dict[str, float]] = []
         for rep in range(reps + 1):  # rep 0 warms both paths up and is dropped
             order = ("project", "plain") if rep % 2 == 0 else ("plain", "project")
@@ -67,26 +80,40 @@ def _worker(rank: int, init_file: str, preset: str, reps: int, bucket_bytes: int
                 dist.barrier()
                 start = time.perf_counter()
                 if method == "project" and rank == 0:
-                    broadcast_weights(model, dist.group.WORLD, 0, rep, True, bucket_bytes=bucket_bytes)
-                elif method == "project":
-                    _, tensors = receive_weights(engine.weight_specs(), dist.group.WORLD, 0, bucket_bytes,
+                    broadcast_weights(model, sync, 0, rep, True, bucket_bytes=bucket_bytes)
+                elif method == "project" and receiver:
+                    _, tensors = receive_weights(engine.weight_specs(), sync, 0, bucket_bytes,  # type: ignore[union-attr]
                                                  into=engine_buffer(engine))
-                    push_weights(tensors, engine, rep)
-                else:
-                    dist.broadcast(flat, src=0)
+                    push_weights(tensors, engine, rep)  # type: ignore[arg-type]
+                elif method == "project":
+                    join_send_gathers(model, bucket_bytes)  # the other trainer rank: its part of the gathers
+                elif rank == 0 or receiver:
+                    dist.broadcast(flat, src=0, group=sync)
                 row[f"{method}_s"] = time.perf_counter() - start
             if rep:
                 rows.append(row)
-        check = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-        reference = check.clone()
-        dist.broadcast(reference, src=0)
-        if rank == 1:
-            nbytes = numel * 4
-            torch.save({"rows": rows, "params": numel, "bytes": nbytes,
-                        "weights_equal": bool(torch.equal(check, reference))}, out)
-        dist.barrier()  # neither rank tears gloo down while the other still uses it
+        _check(model, engine, numel, rows, trainers, sync, rank, world, out)
     finally:
         dist.destroy_process_group()
+    exit_now(0)  # done and written: no teardown abort (verl_hpc/utils/proc.py)
+
+
+def _check(model: torch.nn.Module, engine: HFRolloutEngine | None, numel: int, rows: list[dict[str, float]],
+           trainers: dist.ProcessGroup | None, sync: dist.ProcessGroup, rank: int, world: int, out: str) -> None:
+    """The receiver's weights against the sender's (gathered from the shards): written by the receiver."""
+    if engine is not None:
+        check = torch.cat([p.detach().reshape(-1) for p in engine.model.parameters()])
+    elif trainers is not None:
+        check = torch.cat([full_tensor(p.detach()).reshape(-1) for p in model.parameters()])
+    else:
+        check = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    reference = check.clone()
+    if rank in (0, world - 1):
+        dist.broadcast(reference, src=0, group=sync)
+    if rank == world - 1:
+        torch.save({"rows": rows, "params": numel, "bytes": numel * 4,
+                    "weights_equal": bool(torch.equal(check, reference))}, out)
+    dist.barrier()  # no rank tears gloo down while another still uses it
 
 
 def _summary(values: list[float]) -> dict[str, float]:
@@ -98,7 +125,7 @@ def measure(preset: str, reps: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     with tempfile.TemporaryDirectory(prefix="verl_hpc_bench_ws_") as tmp:
         out = os.path.join(tmp, "result.pt")
         mp.spawn(_worker, args=(os.path.join(tmp, "init"), preset, reps, bucket_bytes, sender, out),
-                 nprocs=2, join=True)
+                 nprocs=3 if sender == "fsdp" else 2, join=True)
         data = torch.load(Path(out))
     rows = data["rows"]
     ratios = [r["project_s"] / r["plain_s"] for r in rows]
@@ -109,18 +136,19 @@ def measure(preset: str, reps: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
 
 
 def _key(case: dict[str, Any]) -> str:
-    suffix = "_packed_sender" if case["sender"] == "packed" else ""
+    suffix = f"_{case['sender']}_sender" if case["sender"] != "runtime" else ""
     return f"bucketed_vs_plain_{case['preset']}{suffix}"
 
 
 def run(quick: bool = False, scratch: str | None = None) -> dict[str, Any]:
-    cases = [measure("tiny", 5), measure("tiny", 5, sender="packed")] if quick else \
-        [measure("tiny", 9), measure("small", 15), measure("small", 15, sender="packed")]
+    cases = [measure("tiny", 5), measure("tiny", 5, sender="packed"), measure("tiny", 3, sender="fsdp")] if quick \
+        else [measure("tiny", 9), measure("small", 15), measure("small", 15, sender="packed"),
+              measure("small", 9, sender="fsdp")]
     return {"quick": quick, "target": TARGET, "cases": cases, "ratios": {_key(c): c["ratio"] for c in cases}}
 
 
 def table(result: dict[str, Any]) -> str:
-    lines = ["weight sync benchmark: bucketed broadcast_weights vs one plain broadcast (gloo, 2 processes)",
+    lines = ["weight sync benchmark: bucketed broadcast_weights vs one plain broadcast (gloo; 2 processes, 3 for fsdp)",
              f"{'model':<8}{'sender':>11}{'params':>9}{'MB':>7}{'project s':>11}{'plain s':>10}{'ratio':>8}"
              f"{'min':>7}{'max':>7}  target  weights equal"]
     for c in result["cases"]:

@@ -70,7 +70,7 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out_dir: str, vari
     from verl_hpc.roles.actor import Actor, UpdatePlan
     from verl_hpc.roles.fsdp import checkpoint_activations, full_tensor, shard_model
     from verl_hpc.roles.lora import apply_lora, merged_params
-    from verl_hpc.roles.weight_sync import broadcast_weights, gather_only, stream_into
+    from verl_hpc.roles.weight_sync import broadcast_weights, join_send_gathers, stream_into
 
     torch.set_num_threads(1)
     res = ResourceConfig(actor=RoleResources(device_ids=[0, 1], strategy="fsdp"),
@@ -104,7 +104,7 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out_dir: str, vari
         torch.save(engine.state_dict(), os.path.join(out_dir, f"colocated{rank}.pt"))
     group = ctx.sync_groups.get("rollout")
     if ctx.is_role("actor") and group is None:
-        gather_only(model)
+        join_send_gathers(model, bucket_bytes=4096)  # the leader's sender gathers bucket by bucket
     elif group is not None:
         sender = ctx.is_role("actor")
         version, _ = broadcast_weights(model if sender else engine, group, 0, 7, sender, bucket_bytes=4096)

@@ -94,9 +94,8 @@ def _gather_rows(tensor: torch.Tensor) -> torch.Tensor:
     into its own chunk of one buffer and every rank broadcasts its chunk to the others.
 
     Why broadcasts and not gloo's all-gather: on gloo the all-gather of 40 MB took 3.3x one
-    broadcast of the whole (its internal staging copy and ring), W concurrent broadcasts
-    1.4x (docs/benchmarks.md, "An FSDP2 sender"); a sync of a sharded actor is one such
-    gather per parameter.
+    broadcast of the whole (its internal staging copy and ring), W broadcasts one after the
+    other 1.4x (docs/benchmarks.md, "An FSDP2 sender").
     """
     group = tensor.device_mesh.get_group()
     world, rows = dist.get_world_size(group), tensor.shape[0]
@@ -107,9 +106,8 @@ def _gather_rows(tensor: torch.Tensor) -> torch.Tensor:
     me = dist.get_rank(group)
     chunks[me][:local.shape[0]].copy_(local)
     members = dist.get_process_group_ranks(group)
-    works = [dist.broadcast(chunks[r], src=members[r], group=group, async_op=True) for r in range(world)]
-    for work in works:
-        work.wait()
+    for r in range(world):  # one at a time: see bucket_gather.py on concurrent gloo collectives
+        dist.broadcast(chunks[r], src=members[r], group=group)
     _last_gather[:] = [out]
     return out[:rows]
 

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from verl_hpc.roles.bucket_gather import bucket_gatherer
 from verl_hpc.roles.flat_weights import WIRE_DTYPE, flat_view, flatten_params, params_view, same_memory
 from verl_hpc.roles.lora import merged_params, merged_shapes
 from verl_hpc.roles.weight_relay import Forwarder, Relay
@@ -85,6 +86,23 @@ def gather_only(model: nn.Module) -> None:
     """
     for _ in iter_full_params(model):
         pass
+
+
+def send_plan(model: nn.Module, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[list[int]]:
+    """The indices of the (merged) parameters in each transfer of a sync: a pure function of
+    the shapes, so every trainer rank and every receiver cut the model the same way."""
+    return _buckets([(n, s.numel() * WIRE_DTYPE.itemsize) for n, s in merged_shapes(model)], bucket_bytes)
+
+
+def join_send_gathers(model: nn.Module, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+    """Trainer ranks outside the sync group: join the gathers of the leader's `post_weights`,
+    bucket by bucket when it gathers that way (`bucket_gather.py`), else parameter by parameter."""
+    gatherer = bucket_gatherer(model)
+    if gatherer is None:
+        gather_only(model)
+        return
+    for k, bucket in enumerate(send_plan(model, bucket_bytes)):
+        gatherer.gather(bucket, k % 2)
 
 
 def _buckets(names_sizes: list[tuple[str, int]], bucket_bytes: int, alone_bytes: int | None = None,
@@ -203,7 +221,7 @@ def broadcast_weights(model: nn.Module, group: dist.ProcessGroup, src: int, vers
     The sender passes its (possibly FSDP-sharded) actor; receivers pass a model of the
     same architecture and get its parameters overwritten in place (re-homed once into
     one flat buffer when they are all float32, so later syncs land in place). The other
-    trainer ranks call `gather_only` at the same time, since the FSDP2 gathers are collectives.
+    trainer ranks call `join_send_gathers` at the same time, since the FSDP2 gathers are collectives.
     """
     if is_sender:
         version, sent, in_flight = post_weights(model, group, src, version, bucket_bytes, relay)
@@ -235,27 +253,34 @@ def post_weights(model: nn.Module, group: dist.ProcessGroup, src: int, version: 
     if version == STOP_VERSION:
         window.drain()
         return STOP_VERSION, 0, SyncInFlight()
-    sizes = [(n, s.numel() * WIRE_DTYPE.itemsize) for n, s in shapes]
     sent, packed = 0, 0
     readers: list[Any] = [None, None]  # the broadcast that last read each packing buffer
-    gathered = iter_full_params(model)
-    for bucket in _buckets(sizes, bucket_bytes):
-        tensors = [next(gathered)[1] for _ in bucket]
+    holders: list[Any] = [None, None]  # ... and each gather slot (bucket_gather.py)
+    gatherer = bucket_gatherer(model)
+    gathered = iter_full_params(model) if gatherer is None else None
+    for k, bucket in enumerate(send_plan(model, bucket_bytes)):
+        if gatherer is not None:
+            if holders[k % 2] is not None:
+                holders[k % 2].wait()  # bucket k - 2's transfer still reads the slot
+            tensors = gatherer.gather(bucket, k % 2)
+        else:
+            tensors = [next(gathered)[1] for _ in bucket]  # type: ignore[call-overload]
         flat = flat_view(tensors)  # a lone float32 tensor, or a run already back to back: as it is
         if flat is None and sum(t.numel() for t in tensors) * WIRE_DTYPE.itemsize > bucket_bytes:
             # One parameter larger than a bucket that still needs a cast: a transient copy,
             # not a kept buffer that large (a bf16 actor's embedding would pin GBs).
             flat = tensors[0].detach().to(WIRE_DTYPE, memory_format=torch.contiguous_format).reshape(-1)
-            window.post(flat)
+            work = window.post(flat)
         elif flat is None:
             slot = packed % 2
             if readers[slot] is not None:
                 readers[slot].wait()
             flat = _pack(tensors, _pack_buffers(model, bucket_bytes, tensors[0].device)[slot])
             packed += 1
-            readers[slot] = window.post(flat)
+            readers[slot] = work = window.post(flat)
         else:
-            window.post(flat)
+            work = window.post(flat)
+        holders[k % 2] = work
         sent += flat.numel() * flat.element_size()
     if not views:
         window.drain()

@@ -24,7 +24,7 @@ from verl_hpc.roles.weight_sender import WeightSender
 from verl_hpc.roles.weight_sync import (
     STOP_VERSION,
     engine_buffer,
-    gather_only,
+    join_send_gathers,
     push_weights,
     receive_weights,
 )
@@ -181,7 +181,7 @@ class Split(DistributedPlacement):
     def send_split(self, version: int) -> int:
         group = self.ctx.sync_groups.get("rollout")
         if group is None:  # not the leader: only join the FSDP gathers the leader's send needs
-            gather_only(self.roles.actor.model)  # type: ignore[union-attr]
+            join_send_gathers(self.roles.actor.model)  # type: ignore[union-attr]
             return 0
         return self.sender.send(group, self.leader, version, self.ctx.weight_relay)  # type: ignore[union-attr]
 
