@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from verl_hpc.checkpoint.layout import list_checkpoints, read_manifest
 from verl_hpc.checkpoint.manager import CheckpointError, CheckpointManager, read_rank_file, read_shared
 from verl_hpc.runtime.env import free_port
+from verl_hpc.utils.proc import exit_now
 
 # DCP announces every single-process save/load; expected here.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
@@ -262,6 +263,7 @@ def _rank_main(rank: int, world: int, port: int, job: str, model_dir: str, work:
                 torch.save(loaded, Path(work) / f"loaded_{world}.pt")
     finally:
         dist.destroy_process_group()
+    exit_now(0)  # done and written: no teardown abort (verl_hpc/utils/proc.py)
 
 
 def test_reshard_2_ranks_to_1_and_4(tiny_model_dir: Path, tmp_path: Path) -> None:

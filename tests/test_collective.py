@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from verl_hpc.utils import collective
+from verl_hpc.utils.proc import exit_now
 
 
 def _rank(rank: int, world: int, out: str) -> None:
@@ -35,6 +36,7 @@ def _rank(rank: int, world: int, out: str) -> None:
         Path(out, f"rank{rank}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
+    exit_now(0)  # done and written: no teardown abort (verl_hpc/utils/proc.py)
 
 
 def test_kept_reductions_agree_over_gloo_and_release_their_tensors_later(tmp_path: Path) -> None:

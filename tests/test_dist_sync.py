@@ -15,6 +15,7 @@ from verl_hpc.config import ResourceConfig, RoleResources
 from verl_hpc.config.placement import plan_processes
 from verl_hpc.runtime.dist import init_distributed
 from verl_hpc.runtime.env import JobEnvironment, free_port
+from verl_hpc.utils.proc import exit_now
 
 
 def _env(rank: int, world: int, port: int) -> JobEnvironment:
@@ -113,6 +114,7 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out_dir: str, vari
             torch.save(engine.state_dict(), os.path.join(out_dir, "split.pt"))
     dist.barrier()
     ctx.destroy()
+    exit_now(0)  # done and written: no teardown abort (verl_hpc/utils/proc.py)
 
 
 @pytest.mark.slow

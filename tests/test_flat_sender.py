@@ -22,6 +22,7 @@ from verl_hpc.roles.flat_weights import params_view
 from verl_hpc.roles.lora import apply_lora
 from verl_hpc.roles.weight_sender import flatten_sender
 from verl_hpc.runtime.checkpointing import ModelState
+from verl_hpc.utils.proc import exit_now
 
 
 def _actor(seed: int = 0) -> Actor:
@@ -142,6 +143,7 @@ def _overlap_worker(rank: int, init_file: str, posted_file: str, out: str) -> No
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    exit_now(0)  # done and written: no teardown abort (verl_hpc/utils/proc.py)
 
 
 def test_an_overlapped_sync_holds_the_next_optimizer_step_until_it_has_crossed(tmp_path: Path) -> None:

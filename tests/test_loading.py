@@ -19,6 +19,7 @@ import torch.multiprocessing as mp
 
 from verl_hpc.roles.loading import causal_lm_skeleton, is_skeleton, parameters_on_meta
 from verl_hpc.runtime.env import free_port
+from verl_hpc.utils.proc import exit_now
 
 
 def _rss() -> int:
@@ -57,6 +58,7 @@ def _worker(rank: int, port: int, model_dir: str, out_dir: str, mode: str) -> No
            "tied": model.lm_head.weight is model.model.embed_tokens.weight, "logits": model(ids).logits.detach()}
     torch.save(out, os.path.join(out_dir, f"{mode}{rank}.pt"))
     dist.destroy_process_group()
+    exit_now(0)  # done and written: no teardown abort (verl_hpc/utils/proc.py)
 
 
 def _spawn(model_dir: Path, out: Path, mode: str) -> list[dict]:

@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from verl_hpc.runtime.step_metrics import data_metrics, data_metrics_reduced
+from verl_hpc.utils.proc import exit_now
 
 MAX_NEW_TOKENS = 6
 Batch = tuple[torch.Tensor, dict[str, torch.Tensor]]
@@ -194,6 +195,7 @@ def _gloo_rank(rank: int, world: int, out: str) -> None:
         torch.save(got, Path(out) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+    exit_now(0)  # done and written: no teardown abort (verl_hpc/utils/proc.py)
 
 
 @pytest.mark.slow

@@ -17,6 +17,7 @@ import torch.multiprocessing as mp
 
 from verl_hpc.models.tiny import PRESETS, build_model
 from verl_hpc.roles.weight_relay import chain_links, relay_for
+from verl_hpc.utils.proc import exit_now
 from verl_hpc.utils.wire_count import tcp_bytes_sent
 
 BUCKET = 1 << 20
@@ -63,6 +64,7 @@ def _rank(rank: int, world: int, chained: bool, out: str) -> None:
         Path(out, f"rank{rank}.json").write_text(json.dumps({"version": version, "wire": wire, "digest": digest}))
     finally:
         dist.destroy_process_group()
+    exit_now(0)  # done and written: no teardown abort (verl_hpc/utils/proc.py)
 
 
 def _sync(tmp_path: Path, receivers: int, chained: bool) -> list[dict]:

@@ -22,6 +22,7 @@ import torch.multiprocessing as mp
 from verl_hpc.models.tiny import PRESETS, build_model
 from verl_hpc.roles.flat_weights import flat_view, flatten_params, same_memory
 from verl_hpc.roles.weight_sync import _buckets, _pack
+from verl_hpc.utils.proc import exit_now
 
 BUCKET = 4096  # bytes: many buckets (several packed ones) even for the tiny model
 
@@ -172,6 +173,7 @@ def _worker(rank: int, world: int, out: str) -> None:
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    exit_now(0)  # done and written: no teardown abort (verl_hpc/utils/proc.py)
 
 
 @pytest.mark.slow
