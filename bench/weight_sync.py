@@ -4,7 +4,7 @@ Two processes on gloo (NCCL on a GPU machine would run the same code): rank 0 ho
 actor, rank 1 a rollout copy of the same architecture. Project: what the split runtime
 runs — the sender's `broadcast_weights` (header, then parameters in flat buckets), the
 receiver's `receive_weights` into its HF rollout engine's flat weight buffer, then
-`push_weights` through the engine's `load_weights`. Three senders:
+`push_weights` through the engine's `load_weights`. Four senders:
 - `runtime`: a split run's lone actor as the runtime lays it out (`flatten_sender`: its
   parameters in one buffer, so every bucket goes as a view);
 - `packed`: separate parameter tensors, packed into buckets: what a sender whose tensors
@@ -12,7 +12,9 @@ receiver's `receive_weights` into its HF rollout engine's flat weight buffer, th
 - `fsdp`: the actor FSDP2-sharded over two trainer ranks (three processes; the second
   trainer rank joins the gathers, `join_send_gathers`): each bucket is gathered from the
   shards and sent (bucket_gather.py). Its floor is about two broadcasts, not one: the
-  bytes cross once to gather and once to send.
+  bytes cross once to gather and once to send;
+- `direct`: the same sharded actor, each trainer rank sending its own rows straight to
+  the receiver over a two-rank group (shard_sync.py): no gather, the bytes cross once.
 Baseline: one `dist.broadcast` of a single pre-packed float32 tensor holding exactly as
 many bytes — no header, no packing, no unpacking: the floor. Repetitions alternate; a
 barrier before each timing lines the ranks up, and the time is the receiver's (its
@@ -40,6 +42,7 @@ import torch.multiprocessing as mp
 from verl_hpc.models.tiny import PRESETS, build_model
 from verl_hpc.roles.fsdp import full_tensor, shard_model
 from verl_hpc.roles.rollout.hf import HFRolloutEngine
+from verl_hpc.roles.shard_sync import ShardLinks, ShardReceiver, send_shards
 from verl_hpc.roles.weight_sender import flatten_sender
 from verl_hpc.roles.weight_sync import (
     DEFAULT_BUCKET_BYTES,
@@ -48,6 +51,8 @@ from verl_hpc.roles.weight_sync import (
     join_send_gathers,
     push_weights,
     receive_weights,
+    send_header,
+    send_plan,
 )
 from verl_hpc.utils.proc import exit_now
 
@@ -58,11 +63,13 @@ def _worker(rank: int, init_file: str, preset: str, reps: int, bucket_bytes: int
             out: str) -> None:
     """Rank 0 sends, the last rank receives; with sender `fsdp`, rank 1 holds the actor's other shard."""
     torch.set_num_threads(1)
-    world = 3 if sender == "fsdp" else 2
+    sharded = sender in ("fsdp", "direct")
+    world = 3 if sharded else 2
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        trainers = dist.new_group([0, 1]) if sender == "fsdp" else None
-        sync = dist.new_group([0, world - 1]) if sender == "fsdp" else dist.group.WORLD
+        trainers = dist.new_group([0, 1]) if sharded else None
+        sync = dist.new_group([0, world - 1]) if sharded else dist.group.WORLD
+        links = ShardLinks([dist.new_group([0, 2]), dist.new_group([1, 2])], [0, 1]) if sender == "direct" else None
         receiver, spec = rank == world - 1, PRESETS[preset]
         model = build_model(spec, spec.vocab_size, pad_id=0, eos_id=1, seed=1 if receiver else 0)
         numel = sum(p.numel() for p in model.parameters())
@@ -72,6 +79,7 @@ def _worker(rank: int, init_file: str, preset: str, reps: int, bucket_bytes: int
             shard_model(model, trainers, "cpu")
         flat = torch.randn(numel) if rank == 0 else torch.empty(numel)
         engine = HFRolloutEngine(model, SimpleNamespace(pad_token_id=0, eos_token_id=1)) if receiver else None
+        shards = ShardReceiver([p.shape for p in model.parameters()], links) if receiver and links else None
         rows: list[dict[str, float]] = []
         for rep in range(reps + 1):  # rep 0 warms both paths up and is dropped
             order = ("project", "plain") if rep % 2 == 0 else ("plain", "project")
@@ -79,11 +87,15 @@ def _worker(rank: int, init_file: str, preset: str, reps: int, bucket_bytes: int
             for method in order:
                 dist.barrier()
                 start = time.perf_counter()
-                if method == "project" and rank == 0:
+                if method == "project" and links is not None and not receiver:
+                    if rank == 0:
+                        send_header(model, sync, 0, rep)
+                    send_shards(model, send_plan(model, bucket_bytes), links.groups[rank])
+                elif method == "project" and rank == 0:
                     broadcast_weights(model, sync, 0, rep, True, bucket_bytes=bucket_bytes)
                 elif method == "project" and receiver:
                     _, tensors = receive_weights(engine.weight_specs(), sync, 0, bucket_bytes,  # type: ignore[union-attr]
-                                                 into=engine_buffer(engine))
+                                                 into=engine_buffer(engine), shards=shards)
                     push_weights(tensors, engine, rep)  # type: ignore[arg-type]
                 elif method == "project":
                     join_send_gathers(model, bucket_bytes)  # the other trainer rank: its part of the gathers
@@ -125,7 +137,7 @@ def measure(preset: str, reps: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     with tempfile.TemporaryDirectory(prefix="verl_hpc_bench_ws_") as tmp:
         out = os.path.join(tmp, "result.pt")
         mp.spawn(_worker, args=(os.path.join(tmp, "init"), preset, reps, bucket_bytes, sender, out),
-                 nprocs=3 if sender == "fsdp" else 2, join=True)
+                 nprocs=3 if sender in ("fsdp", "direct") else 2, join=True)
         data = torch.load(Path(out))
     rows = data["rows"]
     ratios = [r["project_s"] / r["plain_s"] for r in rows]
@@ -141,14 +153,16 @@ def _key(case: dict[str, Any]) -> str:
 
 
 def run(quick: bool = False, scratch: str | None = None) -> dict[str, Any]:
-    cases = [measure("tiny", 5), measure("tiny", 5, sender="packed"), measure("tiny", 3, sender="fsdp")] if quick \
+    cases = [measure("tiny", 5), measure("tiny", 5, sender="packed"), measure("tiny", 3, sender="fsdp"),
+             measure("tiny", 3, sender="direct")] if quick \
         else [measure("tiny", 9), measure("small", 15), measure("small", 15, sender="packed"),
-              measure("small", 9, sender="fsdp")]
+              measure("small", 9, sender="fsdp"), measure("small", 9, sender="direct")]
     return {"quick": quick, "target": TARGET, "cases": cases, "ratios": {_key(c): c["ratio"] for c in cases}}
 
 
 def table(result: dict[str, Any]) -> str:
-    lines = ["weight sync benchmark: bucketed broadcast_weights vs one plain broadcast (gloo; 2 processes, 3 for fsdp)",
+    lines = ["weight sync benchmark: bucketed broadcast_weights vs one plain broadcast "
+             "(gloo; 2 processes, 3 for fsdp and direct)",
              f"{'model':<8}{'sender':>11}{'params':>9}{'MB':>7}{'project s':>11}{'plain s':>10}{'ratio':>8}"
              f"{'min':>7}{'max':>7}  target  weights equal"]
     for c in result["cases"]:

@@ -74,6 +74,7 @@ def test_weight_sync_bench_checks_the_weights(quick_run: tuple[subprocess.Comple
     """A fast but wrong sync must not pass: the receiver's weights equal the sender's."""
     _, out = quick_run
     result = json.loads((out / "weight_sync-quick.json").read_text())
+    assert {case["sender"] for case in result["cases"]} == {"runtime", "packed", "fsdp", "direct"}
     assert all(case["weights_equal"] for case in result["cases"])
 
 

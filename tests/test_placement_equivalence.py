@@ -183,8 +183,11 @@ def test_the_direct_intake_agrees_for_one_two_and_three_trainer_ranks(tmp_path: 
         # one machine: every batch took the same-node socket, none went through gRPC
         assert last["perf/rollout_intake_local_messages_total"] == last["perf/rollout_intake_messages_total"] > 0
         # the lone actor sent its weights as views of one flat buffer (and trained to the same numbers)
-        flat = "one flat buffer" in (tmp_path / name / "logs" / "trainer_rank0.log").read_text()
+        log = (tmp_path / name / "logs" / "trainer_rank0.log").read_text()
+        flat = "one flat buffer" in log
         assert flat == (world == 1), name
+        # a sharded actor: every trainer rank sent its own rows to the first rollout rank, no gather
+        assert ("every trainer rank sends its own rows" in log) == (world > 1), name
         # ... and left each sync in flight during the next step (no bandwidth from posting alone)
         synced = [r for r in rows(tmp_path / name) if r.get("perf/weight_sync_bytes", 0) > 0]
         assert synced and all(("perf/weight_sync_overlapped" in r) == flat for r in synced), name

@@ -41,6 +41,9 @@ def bucket_gatherer(model: nn.Module) -> BucketGather | None:
     dtype and one mesh, and there is no adapter to merge; else None (gather per parameter).
 
     The answer depends only on the model's layout, so every trainer rank gets the same one.
+    Its parameters are the sharded DTensors as first seen, and stay so: FSDP2 keeps those
+    objects (the optimizer updates them), while `named_parameters()` yields plain unsharded
+    tensors whenever a forward has left the model unsharded (a root kept gathered, say).
     """
     if model in _GATHERERS:
         return _GATHERERS[model]

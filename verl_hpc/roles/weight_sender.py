@@ -22,8 +22,9 @@ from torch import nn
 
 from verl_hpc.roles.flat_weights import flatten_params
 from verl_hpc.roles.lora import has_adapters
+from verl_hpc.roles.sync_window import SyncInFlight
 from verl_hpc.roles.weight_relay import Relay
-from verl_hpc.roles.weight_sync import DEFAULT_BUCKET_BYTES, SyncInFlight, post_weights
+from verl_hpc.roles.weight_sync import DEFAULT_BUCKET_BYTES, post_weights
 
 
 def flatten_sender(model: nn.Module) -> bool:

@@ -14,9 +14,8 @@ the transfer for the same memory bandwidth). A parameter of half a bucket or mor
 travels alone, as the sender's own (or freshly gathered) tensor, and so does a run of
 parameters already back to back in one storage; the rest is packed into two bucket
 buffers reused across syncs. Every transfer is a broadcast (down the chain of
-`weight_relay.py` with several receivers). A point-to-point path for a single receiver
-was deleted on 3 Dec (docs/benchmarks.md, "The send/recv path, deleted"): faster by a
-tenth, but it once aborted a CI run and the cause was never found. A receiver whose
+`weight_relay.py` with several receivers; inside two-rank groups for a sharded actor's
+ranks that send their own rows, `shard_sync.py`). A receiver whose
 weights are views into one flat buffer
 (`flat_weights.flatten_params`: the HF engine's own copy) has every bucket land
 straight in its slice, nothing left to unpack. A sender laid out the same way (a split
@@ -28,9 +27,7 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections import deque
 from collections.abc import Iterator
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -40,6 +37,8 @@ from torch import nn
 from verl_hpc.roles.bucket_gather import bucket_gatherer
 from verl_hpc.roles.flat_weights import WIRE_DTYPE, flat_view, flatten_params, params_view, same_memory
 from verl_hpc.roles.lora import merged_params, merged_shapes
+from verl_hpc.roles.shard_sync import ShardReceiver
+from verl_hpc.roles.sync_window import SyncInFlight, Window, transfer
 from verl_hpc.roles.weight_relay import Forwarder, Relay
 from verl_hpc.utils.collective import broadcast_kept
 
@@ -48,6 +47,7 @@ from verl_hpc.utils.collective import broadcast_kept
 # holds more than that beyond its shards; large enough for NCCL's bandwidth.
 DEFAULT_BUCKET_BYTES = 16 * 2**20
 STOP_VERSION = -2  # a header with this version tells the receivers to stop: no weights follow
+FROM_LEADER, FROM_EVERY_RANK = 0, 1  # a header's last field: who sends the buckets (shard_sync.py)
 # Per sending model: the two packing buffers, reused every sync; they go away with the model.
 _PACK_BUFFERS: weakref.WeakKeyDictionary[nn.Module, list[torch.Tensor]] = weakref.WeakKeyDictionary()
 
@@ -127,89 +127,6 @@ def _buckets(names_sizes: list[tuple[str, int]], bucket_bytes: int, alone_bytes:
     return buckets
 
 
-class _Once:
-    """A posted transfer that may be waited for twice (a packing buffer's last reader is
-    also in the window): the second `wait()` returns at once."""
-
-    def __init__(self, work: Any):
-        self.work, self.done = work, False
-
-    def wait(self) -> None:
-        if not self.done:
-            self.work.wait()
-            self.done = True
-
-
-def _transfer(tensor: torch.Tensor, src: int, group: dist.ProcessGroup) -> _Once:
-    """Post one transfer (async): a broadcast from `src` over `group`."""
-    return _Once(dist.broadcast(tensor, src=src, group=group, async_op=True))
-
-
-class _Window:
-    """Transfers posted and not yet known to be done, oldest first, with the bytes they hold.
-
-    Posting waits for the oldest ones while more than `limit` bytes would ride at once:
-    that bounds what an FSDP sender's gathered tensors cost, and lets a packing buffer be
-    reused once the transfer that last read it has finished.
-    """
-
-    def __init__(self, group: dist.ProcessGroup | None, src: int, limit: float,
-                 data_group: dist.ProcessGroup | None = None):
-        self.group, self.src, self.limit = group, src, limit
-        self.data_group = data_group or group  # the chain's first link (weight_relay.py), else the sync group
-        self.works: deque[tuple[Any, int]] = deque()
-        self.bytes = 0
-
-    def post(self, tensor: torch.Tensor, header: bool = False) -> Any:
-        """One bucket down the data group; `header`: over the whole sync group (STOP must reach all)."""
-        nbytes = tensor.numel() * tensor.element_size()
-        while self.works and self.bytes + nbytes > self.limit:
-            self._finish_oldest()
-        if self.group is None:
-            return None
-        work = _transfer(tensor, self.src, self.group if header else self.data_group)
-        self.works.append((work, nbytes))
-        self.bytes += nbytes
-        return work
-
-    def drain(self) -> None:
-        while self.works:
-            self._finish_oldest()
-
-    def _finish_oldest(self) -> None:
-        work, nbytes = self.works.popleft()
-        work.wait()
-        self.bytes -= nbytes
-
-
-class SyncInFlight:
-    """A sender's buckets still crossing: `wait()` before the parameters they view may change.
-
-    Why: a flat sender (`flatten_sender`) sends views of the live parameters, so nothing
-    has to stay in memory for the transfer, and the trainer may go on with the next step
-    while the rollout ranks take the weights; only the next optimizer step must wait for
-    it (the split runtime hooks that step), or the engines would get a torn mix.
-    """
-
-    def __init__(self, window: _Window | None = None):
-        self._window = window
-
-    @property
-    def pending(self) -> bool:
-        return self._window is not None and bool(self._window.works)
-
-    def wait(self, timeout: timedelta | None = None) -> None:
-        """Until every bucket has crossed; `timeout` (at shutdown, when the receivers may be
-        gone) bounds each transfer's wait, else the group's own timeout does."""
-        window, self._window = self._window, None
-        while window is not None and window.works:
-            posted, _ = window.works.popleft()
-            if timeout is None:
-                posted.wait()
-            else:
-                posted.work.wait(timeout=timeout)
-
-
 def broadcast_weights(model: nn.Module, group: dist.ProcessGroup, src: int, version: int,
                       is_sender: bool, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                       relay: Relay | None = None) -> tuple[int, int]:
@@ -244,12 +161,10 @@ def post_weights(model: nn.Module, group: dist.ProcessGroup, src: int, version: 
     """
     device = next(model.parameters()).device  # NCCL moves only GPU tensors; gloo takes either
     views = params_view(model) is not None  # flatten_sender's layout: every bucket a view of the live weights
-    shapes = merged_shapes(model)  # a LoRA sender sends the merged weights of the plain architecture
-    window = _Window(group, src, limit=math.inf if views else 2 * bucket_bytes,
+    window = Window(group, src, limit=math.inf if views else 2 * bucket_bytes,
                      data_group=relay.down if relay is not None else None)
     # Not waited for: the first bucket is prepared while the header crosses (one group: in order).
-    window.post(torch.tensor([version, len(shapes), sum(s.numel() for _, s in shapes)], dtype=torch.int64,
-                             device=device), header=True)
+    window.post(_header(model, version, device), header=True)
     if version == STOP_VERSION:
         window.drain()
         return STOP_VERSION, 0, SyncInFlight()
@@ -287,6 +202,23 @@ def post_weights(model: nn.Module, group: dist.ProcessGroup, src: int, version: 
     return version, sent, SyncInFlight(window if views else None)
 
 
+def _header(model: nn.Module | None, version: int, device: torch.device, senders: int = FROM_LEADER,
+            ) -> torch.Tensor:
+    """What a sync's receivers check before any data: (version, tensors, elements, senders)."""
+    shapes = merged_shapes(model) if model is not None else []
+    return torch.tensor([version, len(shapes), sum(s.numel() for _, s in shapes), senders], dtype=torch.int64,
+                        device=device)
+
+
+def stop_header(device: torch.device) -> torch.Tensor:
+    return _header(None, STOP_VERSION, device)
+
+
+def send_header(model: nn.Module, group: dist.ProcessGroup, src: int, version: int) -> None:
+    """The leader's header alone: the buckets follow from every trainer rank (`shard_sync.send_shards`)."""
+    broadcast_kept(_header(model, version, next(model.parameters()).device, FROM_EVERY_RANK), src, group)
+
+
 def _pack_buffers(model: nn.Module, bucket_bytes: int, device: torch.device) -> list[torch.Tensor]:
     """The model's two reusable packing buffers, (re)made when too small or on another device."""
     numel = bucket_bytes // WIRE_DTYPE.itemsize
@@ -311,8 +243,8 @@ def _pack(tensors: list[torch.Tensor], buffer: torch.Tensor) -> torch.Tensor:
 
 def receive_weights(specs: list[tuple[str, torch.Size]], group: dist.ProcessGroup, src: int,
                     bucket_bytes: int = DEFAULT_BUCKET_BYTES, device: torch.device | str = "cpu",
-                    into: torch.Tensor | None = None,
-                    relay: Relay | None = None) -> tuple[int, Iterator[tuple[str, torch.Tensor]]]:
+                    into: torch.Tensor | None = None, relay: Relay | None = None,
+                    shards: ShardReceiver | None = None) -> tuple[int, Iterator[tuple[str, torch.Tensor]]]:
     """Receiver side of `broadcast_weights`: the version, then (name, tensor) as buckets land.
 
     The iterator must be consumed to the end (each bucket is a collective); an engine's
@@ -322,8 +254,9 @@ def receive_weights(specs: list[tuple[str, torch.Size]], group: dist.ProcessGrou
     of it, already in place. Without it (or if it does not fit) each bucket gets fresh
     memory, one bucket ahead, which the consumer may keep (vLLM's loader holds them all).
     `relay`: buckets come from the previous link of the chain and go on to the next.
+    `shards`: buckets come from every trainer rank at once, each its rows (`shard_sync.py`).
     """
-    header = broadcast_kept(torch.empty(3, dtype=torch.int64, device=device), src, group)
+    header = broadcast_kept(torch.empty(4, dtype=torch.int64, device=device), src, group)
     version = int(header[0])
     if version == STOP_VERSION:
         return STOP_VERSION, iter(())
@@ -331,6 +264,9 @@ def receive_weights(specs: list[tuple[str, torch.Size]], group: dist.ProcessGrou
     if int(header[1]) != len(specs) or int(header[2]) != elements:
         raise WeightSyncError(f"actor and rollout models differ: sender has {int(header[1])} tensors / "
                               f"{int(header[2])} elements, receiver {len(specs)} / {elements}")
+    if int(header[3]) == FROM_EVERY_RANK and shards is None and (relay is None or relay.up_rank == src):
+        raise WeightSyncError("the trainer ranks send their own rows, but this rank has no link to them")
+    shards = shards if int(header[3]) == FROM_EVERY_RANK else None
     data_group, data_src = (relay.up, relay.up_rank) if relay is not None and relay.up is not None else (group, src)
     buckets = _buckets([(n, shape.numel() * WIRE_DTYPE.itemsize) for n, shape in specs], bucket_bytes)
     if into is not None and not (into.dtype == WIRE_DTYPE and into.is_contiguous() and into.numel() == elements
@@ -343,7 +279,7 @@ def receive_weights(specs: list[tuple[str, torch.Size]], group: dist.ProcessGrou
     def post(k: int) -> tuple[torch.Tensor, Any]:
         flat = into[starts[k]:starts[k + 1]] if into is not None else \
             torch.empty(starts[k + 1] - starts[k], dtype=WIRE_DTYPE, device=device)
-        return flat, _transfer(flat, data_src, data_group)
+        return flat, shards.post(k, buckets[k], flat) if shards is not None else transfer(flat, data_src, data_group)
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         # In place, every bucket is posted at once; otherwise bucket k+1 is received while

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from verl_hpc.config.placement import GroupSpec, ProcessPlan
+from verl_hpc.roles.shard_sync import ShardLinks
 from verl_hpc.roles.weight_relay import Relay, chain_links, relay_for
 from verl_hpc.runtime.env import JobEnvironment
 
@@ -81,6 +82,10 @@ class DistContext:
     checkpoint_group: ProcessGroup | None = None
     # This rank's links in the weight sync's chain through several rollout ranks (None: not in one).
     weight_relay: Relay | None = None
+    # A sharded trainer's direct weight sync (roles/shard_sync.py): a trainer rank's pair group
+    # with the first rollout rank, and that rollout rank's pairs with every trainer rank.
+    shard_link: ProcessGroup | None = None
+    shard_links: ShardLinks | None = None
     _barrier_counts: dict[str, int] = field(default_factory=dict, repr=False)
 
     @property
@@ -270,6 +275,7 @@ def _build_groups(env: JobEnvironment, plan: ProcessPlan, backend: str, timeout:
         if env.rank in ranks:
             exchange_groups[spec.name] = pg
     relay = _build_relay(env, plan, trainer, leader, backend, timeout)
+    shard_link, shard_links = _build_shard_links(env, plan, trainer, backend, timeout)
     ckpt = dist.new_group(ranks=trainer_ranks, timeout=timeout, backend="gloo")
     state_groups: list[ProcessGroup | None] = [None, None]
     if any(spec.name == "critic" for spec in plan.groups):
@@ -281,7 +287,8 @@ def _build_groups(env: JobEnvironment, plan: ProcessPlan, backend: str, timeout:
                        checkpoint_group=ckpt if env.rank in trainer_ranks else None,
                        control_group=control, sync_groups=sync_groups, timeout_seconds=timeout_seconds,
                        exchange_groups=exchange_groups, state_group=state_groups[0],
-                       state_async_group=state_groups[1], weight_relay=relay)
+                       state_async_group=state_groups[1], weight_relay=relay, shard_link=shard_link,
+                       shard_links=shard_links)
 
 
 def _build_relay(env: JobEnvironment, plan: ProcessPlan, trainer: GroupSpec, leader: int, backend: str,
@@ -296,3 +303,19 @@ def _build_relay(env: JobEnvironment, plan: ProcessPlan, trainer: GroupSpec, lea
     groups = [dist.new_group(ranks=pair, timeout=timeout, backend=_backend_for([trainer, rollout], backend))
               for pair in links]
     return relay_for(env.rank, links, groups)
+
+
+def _build_shard_links(env: JobEnvironment, plan: ProcessPlan, trainer: GroupSpec, backend: str,
+                       timeout: timedelta) -> tuple[ProcessGroup | None, ShardLinks | None]:
+    """Pairs (trainer rank r, first rollout rank) for a sharded trainer group: each trainer rank
+    sends its own rows (roles/shard_sync.py). Collective, like the chain's pairs."""
+    rollout = next((spec for spec in plan.groups if spec.name != trainer.name and "rollout" in spec.roles), None)
+    trainer_ranks = plan.group_ranks(trainer.name)
+    if rollout is None or len(trainer_ranks) < 2 or trainer.resources.strategy != "fsdp":
+        return None, None
+    first = plan.group_ranks(rollout.name)[0]
+    groups = [dist.new_group(ranks=[r, first], timeout=timeout, backend=_backend_for([trainer, rollout], backend))
+              for r in trainer_ranks]
+    mine = groups[trainer_ranks.index(env.rank)] if env.rank in trainer_ranks else None
+    return mine, ShardLinks(groups, trainer_ranks) if env.rank == first else None
+

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from verl_hpc.data.layout import even_owner, even_slices, row_owner
 from verl_hpc.data.rollout_batch import RolloutBatch
+from verl_hpc.roles.shard_sync import ShardReceiver, send_shards, shard_sendable
 from verl_hpc.roles.weight_sender import WeightSender
 from verl_hpc.roles.weight_sync import (
     STOP_VERSION,
@@ -27,6 +28,9 @@ from verl_hpc.roles.weight_sync import (
     join_send_gathers,
     push_weights,
     receive_weights,
+    send_header,
+    send_plan,
+    stop_header,
 )
 from verl_hpc.runtime import validation
 from verl_hpc.runtime.placement.base import Timer, generate_rows
@@ -86,6 +90,11 @@ class Split(DistributedPlacement):
             if self.sender.overlaps:
                 log.info("the actor's parameters are one flat buffer: weight syncs send views, no packing, "
                          "and overlap the next step until its optimizer step")
+        self.own_rows = self.trains and self.ctx.shard_link is not None and \
+            shard_sendable(self.roles.actor.model)  # type: ignore[union-attr]
+        if self.own_rows:
+            log.info("weight syncs: every trainer rank sends its own rows to the rollout, no gather")
+        self.shards: ShardReceiver | None = None  # the first rollout rank's, made at its first sync
 
     def connect(self) -> None:
         """Every trainer rank serves Flight; every rollout rank learns all their addresses and connects."""
@@ -180,6 +189,11 @@ class Split(DistributedPlacement):
 
     def send_split(self, version: int) -> int:
         group = self.ctx.sync_groups.get("rollout")
+        if self.own_rows:  # the leader's header, then every trainer rank's rows at once (shard_sync.py)
+            model = self.roles.actor.model  # type: ignore[union-attr]
+            if group is not None:
+                send_header(model, group, self.leader, version)
+            return send_shards(model, send_plan(model), self.ctx.shard_link)  # type: ignore[arg-type]
         if group is None:  # not the leader: only join the FSDP gathers the leader's send needs
             join_send_gathers(self.roles.actor.model)  # type: ignore[union-attr]
             return 0
@@ -316,8 +330,11 @@ class Split(DistributedPlacement):
     def receive_split(self) -> int:
         """The newest weights into the engine; returns their version (STOP_VERSION: stop)."""
         engine = self.roles.engine
-        version, tensors = receive_weights(engine.weight_specs(), self.ctx.sync_groups["rollout"], self.leader,  # type: ignore[union-attr]
-                                           device=self.roles.device, into=engine_buffer(engine), relay=self.ctx.weight_relay)
+        specs = engine.weight_specs()  # type: ignore[union-attr]
+        if self.shards is None and self.ctx.shard_links is not None:
+            self.shards = ShardReceiver([shape for _, shape in specs], self.ctx.shard_links)
+        version, tensors = receive_weights(specs, self.ctx.sync_groups["rollout"], self.leader, device=self.roles.device,
+                                           into=engine_buffer(engine), relay=self.ctx.weight_relay, shards=self.shards)
         if version != STOP_VERSION:
             self.last_sync_bytes = push_weights(tensors, engine, version)
             engine.policy_version = version  # type: ignore[union-attr]
@@ -331,7 +348,7 @@ class Split(DistributedPlacement):
         if not self.is_leader or "rollout" not in self.ctx.sync_groups:
             return
         self.settle_sync()
-        header = torch.tensor([STOP_VERSION, 0, 0], dtype=torch.int64, device=self.roles.device)
+        header = stop_header(self.roles.device)
         work = dist.broadcast(header, src=self.ctx.env.rank, group=self.ctx.sync_groups["rollout"], async_op=True)
         try:
             work.wait(timeout=timedelta(seconds=5))
