@@ -72,9 +72,10 @@ def send_shards(model: nn.Module, plan: list[list[int]], link: dist.ProcessGroup
     for bucket in plan:
         pieces = [locals_[i] for i in bucket]
         for i, piece in zip(bucket, pieces, strict=True):
-            if piece.numel() != rows_of(shapes[i], world, rank)[1]:
-                raise RuntimeError(f"parameter {i}: {piece.numel()} local elements, expected "
-                                   f"{rows_of(shapes[i], world, rank)[1]} (not FSDP2's row sharding)")
+            expected = rows_of(shapes[i], world, rank)[1]
+            if piece.numel() != expected:  # the receiver files rows by this rule: never send another layout
+                raise RuntimeError(f"parameter {i}: {piece.numel()} local elements, expected {expected} "
+                                   "(not FSDP2's row sharding)")
         numel = sum(p.numel() for p in pieces)
         if numel == 0:
             continue
