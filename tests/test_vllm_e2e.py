@@ -62,6 +62,8 @@ def test_split_rollout_rank_serves_vllm_and_takes_broadcast_weights(tmp_path: Pa
     assert len(trained) == 4
     assert all(r["training/rollout_probs_diff_max"] < 1e-3 for r in trained), \
         [r["training/rollout_probs_diff_max"] for r in trained]
+    # two FSDP2 trainer ranks (quickstart_split): each sent its own rows into vLLM's loader, no gather
+    assert "every trainer rank sends its own rows" in (run_dir / "logs" / "trainer_rank0.log").read_text()
     assert not _engine_processes()
 
 

@@ -211,6 +211,7 @@ def _header(model: nn.Module | None, version: int, device: torch.device, senders
 
 
 def stop_header(device: torch.device) -> torch.Tensor:
+    """The header that ends the rollout ranks' receive loop: sent alone, no buckets follow."""
     return _header(None, STOP_VERSION, device)
 
 
