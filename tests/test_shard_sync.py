@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from verl_hpc.models.tiny import PRESETS, build_model
-from verl_hpc.roles.shard_sync import rows_of
+from verl_hpc.roles.bucket_gather import rows_of
 from verl_hpc.utils.proc import exit_now
 
 

@@ -36,6 +36,15 @@ def _row_sharded_on_host(tensor: torch.Tensor) -> bool:
             and tuple(tensor.placements) == (Shard(0),) and tensor.ndim >= 1)
 
 
+def rows_of(shape: torch.Size, world: int, rank: int) -> tuple[int, int]:
+    """(first element, elements) of `rank`'s rows of a tensor of `shape` row-sharded over `world`:
+    FSDP2's (and torch.chunk's) ceil(rows / world) per rank, the last ranks holding fewer or none."""
+    per_rank = -(-shape[0] // world)
+    row = math.prod(shape[1:])
+    count = max(0, min(per_rank, shape[0] - rank * per_rank))
+    return rank * per_rank * row, count * row
+
+
 def bucket_gatherer(model: nn.Module) -> BucketGather | None:
     """The model's gatherer when every parameter is an FSDP2 row shard in host memory, of one
     dtype and one mesh, and there is no adapter to merge; else None (gather per parameter).
@@ -105,15 +114,14 @@ class BucketGather:
         """Rank-major chunks -> each parameter's rows in order, back to back in `out`."""
         views, at, offset = [], 0, 0
         for tensor, rows, width in zip(tensors, per_rank, widths, strict=True):
-            numel, row = tensor.numel(), width // rows if rows else 0
+            numel = tensor.numel()
             block = stage[:, at:at + width]  # [world, this parameter's padded rows per rank]
             if rows * self.world == tensor.shape[0]:  # no padding: one strided copy
                 out[offset:offset + numel].view(self.world, width).copy_(block)
             else:
                 for r in range(self.world):
-                    count = max(0, min(rows, tensor.shape[0] - r * rows)) * row
-                    start = offset + r * rows * row
-                    out[start:start + count].copy_(block[r, :count])
+                    first, count = rows_of(tensor.shape, self.world, r)
+                    out[offset + first:offset + first + count].copy_(block[r, :count])
             views.append(out[offset:offset + numel].view(tensor.shape))
             at, offset = at + width, offset + numel
         return views

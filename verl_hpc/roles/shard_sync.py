@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from verl_hpc.roles.bucket_gather import bucket_gatherer
+from verl_hpc.roles.bucket_gather import bucket_gatherer, rows_of
 from verl_hpc.roles.flat_weights import WIRE_DTYPE
 
 # Per sending model: one kept buffer for its packed rows (the buckets of several parameters).
@@ -40,14 +40,6 @@ class ShardLinks:
 
     groups: list[dist.ProcessGroup]
     ranks: list[int]  # the trainer ranks' global ranks (each pair's source)
-
-
-def rows_of(shape: torch.Size, world: int, rank: int) -> tuple[int, int]:
-    """(first element, elements) of `rank`'s rows of a parameter of `shape`, row-sharded over `world`."""
-    per_rank = -(-shape[0] // world)
-    row = math.prod(shape[1:])
-    count = max(0, min(per_rank, shape[0] - rank * per_rank))
-    return rank * per_rank * row, count * row
 
 
 def shard_sendable(model: nn.Module) -> bool:
@@ -124,7 +116,7 @@ class ShardReceiver:
             if sum(sizes[r]):
                 works.append(self._recv(stage[at:at + sum(sizes[r])], r))
             at += sum(sizes[r])
-        return _Landing(works, lambda: self._file(bucket, sizes, stage, flat))
+        return _Landing(works, lambda: self._file(bucket, stage, flat))
 
     def _recv(self, into: torch.Tensor, r: int) -> Any:
         return dist.broadcast(into, src=self.links.ranks[r], group=self.links.groups[r], async_op=True)
@@ -134,7 +126,7 @@ class ShardReceiver:
             self._stages[k] = torch.empty(numel, dtype=WIRE_DTYPE)
         return self._stages[k]
 
-    def _file(self, bucket: list[int], sizes: list[list[int]], stage: torch.Tensor, flat: torch.Tensor) -> None:
+    def _file(self, bucket: list[int], stage: torch.Tensor, flat: torch.Tensor) -> None:
         """Rank-major rows (as sent) -> each parameter's rows in order (as the bucket holds them)."""
         at, base = 0, 0
         starts = []

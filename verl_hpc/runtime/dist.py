@@ -296,7 +296,7 @@ def _build_relay(env: JobEnvironment, plan: ProcessPlan, trainer: GroupSpec, lea
     """The weight sync's chain through a rollout group of several ranks (roles/weight_relay.py).
 
     Every rank of the world makes every pair group, in the same order (`new_group` is collective)."""
-    rollout = next((spec for spec in plan.groups if spec.name != trainer.name and "rollout" in spec.roles), None)
+    rollout = _rollout_group(plan, trainer)
     if rollout is None:
         return None
     links = chain_links(leader, plan.group_ranks(rollout.name))
@@ -309,7 +309,7 @@ def _build_shard_links(env: JobEnvironment, plan: ProcessPlan, trainer: GroupSpe
                        timeout: timedelta) -> tuple[ProcessGroup | None, ShardLinks | None]:
     """Pairs (trainer rank r, first rollout rank) for a sharded trainer group: each trainer rank
     sends its own rows (roles/shard_sync.py). Collective, like the chain's pairs."""
-    rollout = next((spec for spec in plan.groups if spec.name != trainer.name and "rollout" in spec.roles), None)
+    rollout = _rollout_group(plan, trainer)
     trainer_ranks = plan.group_ranks(trainer.name)
     if rollout is None or len(trainer_ranks) < 2 or trainer.resources.strategy != "fsdp":
         return None, None
@@ -319,3 +319,7 @@ def _build_shard_links(env: JobEnvironment, plan: ProcessPlan, trainer: GroupSpe
     mine = groups[trainer_ranks.index(env.rank)] if env.rank in trainer_ranks else None
     return mine, ShardLinks(groups, trainer_ranks) if env.rank == first else None
 
+
+def _rollout_group(plan: ProcessPlan, trainer: GroupSpec) -> GroupSpec | None:
+    """The group that hosts the rollout engines in a split run (None: the trainers host them)."""
+    return next((spec for spec in plan.groups if spec.name != trainer.name and "rollout" in spec.roles), None)
