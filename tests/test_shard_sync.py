@@ -99,3 +99,31 @@ def test_every_trainer_rank_sends_its_rows_and_each_rollout_rank_gets_the_whole_
             assert list(rollout["params"]) == list(actor["params"])
             for name, value in actor["params"].items():
                 assert torch.equal(rollout["params"][name], value), (r, version, name)
+
+
+def _header_only(rank: int, init: str, out: str) -> None:
+    from verl_hpc.roles.weight_sync import WeightSyncError, receive_weights, send_header
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=2)
+    spec = PRESETS["tiny"]
+    model = build_model(spec, spec.vocab_size, pad_id=0, eos_id=1, seed=0)
+    if rank == 0:
+        send_header(model, dist.group.WORLD, 0, 5)  # "every trainer rank sends its rows"
+    else:
+        try:
+            receive_weights([(n, p.shape) for n, p in model.named_parameters()], dist.group.WORLD, 0)
+            Path(out).write_text("received")
+        except WeightSyncError as err:
+            Path(out).write_text(str(err))
+    dist.barrier()
+    dist.destroy_process_group()
+    exit_now(0)
+
+
+def test_a_rollout_rank_with_no_link_to_the_trainer_ranks_refuses_their_rows(tmp_path: Path) -> None:
+    """The header says who sends: a first rollout rank that cannot take W streams says so, before any data."""
+    out = tmp_path / "result.txt"
+    mp.start_processes(_header_only, args=(str(tmp_path / "init"), str(out)), nprocs=2, start_method="spawn",
+                       join=True)
+    assert out.read_text() == "the trainer ranks send their own rows, but this rank has no link to them"
