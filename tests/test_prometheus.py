@@ -174,12 +174,12 @@ def test_a_real_prometheus_scrapes_a_split_run_and_the_dashboard_has_data(tmp_pa
     run_dir = tmp_path / "runs" / "split"
     with prometheus(tmp_path / "prometheus", run_dir) as prom:
         start = time.time()
-        # 60 steps: the run must outlast Prometheus finding its file_sd target and then scraping
-        # twice (1 s interval); 25 steps took 6 s once the intake went direct, and one CI-like
-        # run saw a single step.
+        # 150 steps: the run must outlast Prometheus finding its file_sd target (2 s refresh) and
+        # then scraping twice (1 s interval); 25 steps took 6 s once the intake went direct, and
+        # 60 steps were scraped at one step only on an idle machine (4 Dec).
         done = run_cli("train", "configs/quickstart_split.yaml", "--run-dir", str(run_dir),
-                       f"model.path={tiny_model_dir}", "logging.sinks=[jsonl,prometheus]", "trainer.total_steps=60",
-                       "checkpoint.interval_steps=10", "logging.progress=off")
+                       f"model.path={tiny_model_dir}", "logging.sinks=[jsonl,prometheus]", "trainer.total_steps=150",
+                       "checkpoint.interval_steps=25", "logging.progress=off")
         end = time.time() + 2
         assert done.returncode == 0, done.stderr[-3000:]
         trainer = read_rows(run_dir / "tensorboard" / "metrics.jsonl")
