@@ -8,12 +8,15 @@ to Flight whenever the socket is not reachable.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import stat
 import threading
 import time
 
+import numpy as np
+import pyarrow as pa
 import pyarrow.flight as flight
 import pytest
 
@@ -82,6 +85,38 @@ def test_a_batch_with_the_wrong_columns_is_refused_naming_the_column(server) -> 
     with _client(server, retries=0) as client, pytest.raises(flight.FlightServerError, match="ground_truth"):
         client.put(bad)
     assert server.qsize() == 0 and server.stats()["rejected"] == 1
+
+
+def test_a_batch_failing_the_row_checks_is_dropped_when_taken_and_the_next_one_returned(server, caplog) -> None:
+    """Rows are checked when the trainer takes a batch (wire.EncodedBatch), not on the put's path:
+    a bad one (only a sender bypassing RolloutBatch's own check can make it) is acknowledged,
+    then dropped at `get`, counted and logged with its producer and number, and the trainer
+    gets the next batch."""
+    good = _batch(2, step=1)
+    columns = good.record_batch.to_pydict()
+    columns["rollout_logprobs"] = [[-0.5] * 3, [-0.5] * 8]  # row 0: 3 logprobs for 8 response tokens
+    bad = RolloutBatch(pa.RecordBatch.from_pydict(columns, schema=good.record_batch.schema), check=False)
+    with _client(server, retries=0) as client:
+        assert client.put_with_sequence(bad, 0) == "queued"
+        client.put_with_sequence(good, 1)
+    with caplog.at_level(logging.ERROR, logger="verl_hpc.data.transport.buffer"):
+        got = server.get(timeout=5)
+    assert got.record_batch.equals(good.record_batch)
+    assert server.stats()["rejected"] == 1 and server.qsize() == 0
+    assert "'p0' #0 rejected" in caplog.text and "rollout_logprobs" in caplog.text
+
+
+def test_a_garbled_message_is_dropped_when_taken_not_decoded_on_arrival(server) -> None:
+    from verl_hpc.data.transport.wire import EncodedBatch
+
+    schema = _batch(1).record_batch.schema
+    with pytest.raises(flight.FlightServerError, match="#9 rejected: not a record batch message"):
+        EncodedBatch(np.frombuffer(b"\xff" * 64, dtype=np.uint8), schema, "rollout put from 'p' #9").decode()
+    buffer = server._buffer
+    buffer.offer(("p", 9), EncodedBatch(np.zeros(16, dtype=np.uint8), schema, "rollout put from 'p' #9"), lambda: False)
+    with pytest.raises(TimeoutError):
+        server.get(timeout=0.3)
+    assert server.stats()["rejected"] == 1
 
 
 def test_full_buffer_blocks_then_put_timeout_and_the_retry_lands_once() -> None:

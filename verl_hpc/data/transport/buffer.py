@@ -7,6 +7,7 @@ and is tested on its own; the server only decodes requests and hands batches to 
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -16,6 +17,9 @@ from typing import Any
 import pyarrow.flight as flight
 
 from verl_hpc.data.rollout_batch import RolloutBatch
+from verl_hpc.data.transport.wire import EncodedBatch
+
+log = logging.getLogger(__name__)
 
 _WAIT_SLICE_S = 0.1  # how often a blocked put re-checks whether its client went away
 
@@ -51,14 +55,14 @@ class RolloutBuffer:
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self._cond = threading.Condition()
-        self._queue: deque[RolloutBatch] = deque()
+        self._queue: deque[RolloutBatch | EncodedBatch] = deque()
         self._seen = SeenSequences()
         self._last_heard: dict[str, float] = {}
         self._closed = False
         self._waiting = 0
         self.counts = {"received": 0, "duplicates": 0, "consumed": 0, "rejected": 0}
 
-    def offer(self, key: tuple[str, int], batch: RolloutBatch, cancelled: Callable[[], bool],
+    def offer(self, key: tuple[str, int], batch: RolloutBatch | EncodedBatch, cancelled: Callable[[], bool],
               wake: bool = True) -> str:
         """Enqueue unless already seen; block while full. Returns "queued" or "duplicate".
 
@@ -92,7 +96,23 @@ class RolloutBuffer:
                 self._waiting -= 1
 
     def get(self, timeout: float | None) -> RolloutBatch:
+        """The oldest batch, decoded and checked here if it arrived encoded (`wire.EncodedBatch`).
+
+        One that fails the check is dropped, counted under "rejected" and logged, and the
+        next one is returned: the trainer goes on as if its producer had been refused.
+        """
         deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            item = self._pop(deadline, timeout)
+            if not isinstance(item, EncodedBatch):
+                return item
+            try:
+                return item.decode()
+            except flight.FlightServerError as exc:
+                self.reject()
+                log.error("%s; dropped after it was acknowledged as queued", exc)
+
+    def _pop(self, deadline: float | None, timeout: float | None) -> RolloutBatch | EncodedBatch:
         with self._cond:
             while not self._queue:
                 if self._closed:
@@ -102,10 +122,10 @@ class RolloutBuffer:
                     raise TimeoutError(f"no rollout batch arrived within {timeout:.1f} s; "
                                        f"producers heard from so far: {self._describe_producers()}")
                 self._cond.wait(remaining)
-            batch = self._queue.popleft()
+            item = self._queue.popleft()
             self.counts["consumed"] += 1
             self._cond.notify_all()  # wake producers blocked on a full buffer
-            return batch
+            return item
 
     def _describe_producers(self) -> str:
         now = time.monotonic()

@@ -9,7 +9,7 @@ other nodes.
 
 What does not change (same tests, `tests/test_transport_local.py`):
 - the run's secret: the first message of a connection carries it, compared in constant time;
-- the schema check, before a batch is enqueued;
+- the schema check, once per connection, before any of its batches is enqueued;
 - the server's `RolloutBuffer`: dedup by (producer, sequence), blocking when full, ack
   only once buffered;
 - the client's numbering, retries on a broken connection (same number: a duplicate is
@@ -19,7 +19,11 @@ Wire, after the hello: frames of `!QBQ` (sequence, kind, length) + one IPC messa
 schema goes once per connection (kind SCHEMA, no ack). Each batch (kind BATCH) is
 answered `!QB` (sequence, status), or by an error text that fails the connection.
 Large batches leave the sender without a copy: the IPC writer's buffers go to one
-`sendmsg`. The receiver reads each batch into fresh memory that the batch then owns.
+`sendmsg`. The receiver reads each batch into fresh memory that the batch then owns,
+and buffers it still encoded: the trainer's `get` decodes it and checks its rows
+(`wire.EncodedBatch`), so a put waits for neither. The row checks are the same;
+a batch failing them (which `RolloutBatch` itself never lets a producer build) is
+dropped at `get` and counted as rejected instead of refused at its put.
 """
 
 from __future__ import annotations
@@ -195,15 +199,15 @@ class LocalRolloutServer:
                 raise ValueError(f"a {nbytes}-byte message")
             body = np.empty(nbytes, dtype=np.uint8)  # the batch will own it: no second copy
             recv_exact(conn, memoryview(body))
-            message = pa.ipc.read_message(pa.py_buffer(body))
             where = f"rollout put from {producer!r} #{seq}"
             if kind == SCHEMA:
-                schema = pa.ipc.read_schema(message)
+                schema = pa.ipc.read_schema(pa.ipc.read_message(pa.py_buffer(body)))
                 wire.check_schema(schema, f"rollout stream from {producer!r}")
                 continue
             if schema is None:
                 raise flight.FlightServerError(f"{where}: a batch before its schema")
-            batch = wire.assemble([pa.ipc.read_record_batch(message, schema)], where)
+            # decoded and checked when the trainer takes it (wire.EncodedBatch): not on the put's path
+            batch = wire.EncodedBatch(body, schema, where)
             status = self._buffer.offer((producer, seq), batch, lambda: self._gone(conn), wake=False)
             with self._lock:
                 self.counts["local_batches"] += 1

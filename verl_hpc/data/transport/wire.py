@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hmac
 import struct
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.flight as flight
@@ -106,6 +107,37 @@ def assemble(chunks: list[pa.RecordBatch], where: str) -> RolloutBatch:
     except SchemaError as exc:
         raise flight.FlightServerError(f"{where} rejected: {exc}") from None
     return RolloutBatch.from_chunks(chunks, check=False)
+
+
+class EncodedBatch:
+    """One received batch still as its IPC message: decoded and checked when the trainer takes it.
+
+    Why not decoded on arrival: the same-node route acknowledges a put once its bytes are
+    buffered, and across processes on a busy node the decode and the row checks cost more
+    than the bytes (64 KB: ~60 µs of a ~145 µs put; docs/benchmarks.md, "Decoded when
+    taken"). Moved to the trainer's `get`, they run off the producer's path, in the thread
+    that reads the batch next anyway. The schema is still checked per connection before
+    any batch is accepted; a batch that fails the row checks here (only a sender that
+    bypasses `RolloutBatch`'s own validation can make one) is dropped and counted.
+    """
+
+    __slots__ = ("body", "schema", "where")
+
+    def __init__(self, body: Any, schema: pa.Schema, where: str) -> None:
+        self.body, self.schema, self.where = body, schema, where
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.body)
+
+    def decode(self) -> RolloutBatch:
+        """The checked batch, owning `body` (no copy); FlightServerError names what is wrong."""
+        try:
+            message = pa.ipc.read_message(pa.py_buffer(self.body))
+            record_batch = pa.ipc.read_record_batch(message, self.schema)
+        except (pa.ArrowException, ValueError, OSError, EOFError) as exc:  # what pyarrow raises on bad bytes
+            raise flight.FlightServerError(f"{self.where} rejected: not a record batch message ({exc})") from None
+        return assemble([record_batch], self.where)
 
 
 def chunks(record_batch: pa.RecordBatch, max_bytes: int) -> list[pa.RecordBatch]:
