@@ -199,7 +199,8 @@ def run(quick: bool = False, scratch: str | None = None) -> dict[str, Any]:
     procs = transport_procs.measure(sizes, reps)
     ratios = {f"{route}_vs_raw_{_label(r['bytes'])}": r[f"{route}_ratio"] for r in rows for route in ("flight", "local")}
     ratios.update({f"{route}_vs_raw_{_label(r['bytes'])}_across_processes": r[f"{route}_ratio"]
-                   for r in procs for route in ("flight", "local")})
+                   for r in procs for route in ("flight", "local", *transport_procs.FLOOR_MODES)})
+    ratios.update({f"local_vs_floor_{_label(r['bytes'])}_across_processes": r["local_vs_floor"] for r in procs})
     return {"quick": quick, "reps": reps, "target": TARGET, "small_target": SMALL_TARGET, "sizes": rows,
             "across_processes": procs, "ratios": ratios}
 

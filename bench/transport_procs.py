@@ -4,7 +4,8 @@ Why apart from `transport.py`: there the producer is a thread of the trainer's o
 so every acknowledgement is a hand-over of Python's GIL between two busy threads, which on
 this 2-vCPU VM costs more than moving 64 KB. In a run the producer is another process
 (a rollout rank), so this is the measurement that matches issue 19's target ("same node
-and across processes"). Routes, as in `transport.py`: "flight" (the gRPC stream),
+and across processes"). Beside them, two Python receivers that keep only the route's
+unavoidable hand-offs (`transport_floor.py`): what no Python design can beat. Routes, as in `transport.py`: "flight" (the gRPC stream),
 "local" (the same-node Unix socket), and the baseline, length-prefixed bytes over one
 loopback TCP connection answered with one byte. The producer times `transfers` puts (each
 returns once the trainer has the batch in its buffer); a consumer thread in the trainer
@@ -20,28 +21,33 @@ import time
 from typing import Any
 
 from bench.transport import RawLoopback, _label, ipc_bytes, make_batch, transfers_per_rep
+from bench.transport_floor import MODES as FLOOR_MODES
+from bench.transport_floor import FloorReceiver, FloorSender
 from verl_hpc.data.transport.flight import RolloutFlightClient, RolloutFlightServer
 
 TOKEN = "bench-procs"
 ROUTES = ("flight", "local")
 
 
-def _producer(location: str, local_location: str, raw_port: int, nbytes: int, reps: int, transfers: int,
-              out: Any) -> None:
-    """The child: alternate the routes and the raw socket, send back the seconds per transfer."""
+def _producer(location: str, local_location: str, raw_port: int, floor_paths: dict[str, str], nbytes: int,
+              reps: int, transfers: int, out: Any) -> None:
+    """The child: alternate the routes, the raw socket and the floors; send back the seconds per transfer."""
     batch = make_batch(nbytes)
     payload = ipc_bytes(batch)
     clients = {"flight": RolloutFlightClient(location, TOKEN, "procs-flight"),
                "local": RolloutFlightClient(location, TOKEN, "procs-local", local_location=local_location)}
     raw = RawLoopback.connect_to(raw_port)
-    times: dict[str, list[float]] = {name: [] for name in (*ROUTES, "raw")}
+    floors = {mode: FloorSender(path) for mode, path in floor_paths.items()}
+    sends = {**{name: (lambda c=client: c.put(batch)) for name, client in clients.items()},
+             "raw": lambda: raw.send(payload), **{mode: (lambda f=f: f.send(payload)) for mode, f in floors.items()}}
+    times: dict[str, list[float]] = {name: [] for name in sends}
     try:
         for rep in range(reps + 1):  # rep 0 warms up every path and is dropped
             n = transfers if rep else 1
-            for name in (*ROUTES, "raw"):
+            for name, send in sends.items():
                 start = time.perf_counter()
                 for _ in range(n):
-                    clients[name].put(batch) if name != "raw" else raw.send(payload)
+                    send()
                 if rep:
                     times[name].append((time.perf_counter() - start) / n)
         out.send({"times": times, "same_node": clients["local"].same_node, "bytes": len(payload),
@@ -49,6 +55,8 @@ def _producer(location: str, local_location: str, raw_port: int, nbytes: int, re
     finally:
         for client in clients.values():
             client.close()
+        for floor in floors.values():
+            floor.close()
         raw.close()
 
 
@@ -67,9 +75,11 @@ def measure_size(nbytes: int, reps: int) -> dict[str, Any]:
 
     consumer = threading.Thread(target=consume, daemon=True)
     consumer.start()
+    floors = {mode: FloorReceiver(mode) for mode in FLOOR_MODES}
     ctx = mp.get_context("spawn")
     parent_end, child_end = ctx.Pipe()
-    child = ctx.Process(target=_producer, args=(server.location, server.local_location, raw.port, nbytes, reps,
+    child = ctx.Process(target=_producer, args=(server.location, server.local_location, raw.port,
+                                                {mode: f.path for mode, f in floors.items()}, nbytes, reps,
                                                 transfers, child_end))
     try:
         child.start()
@@ -80,16 +90,24 @@ def measure_size(nbytes: int, reps: int) -> dict[str, Any]:
         consumer.join(timeout=5)
         server.shutdown()
         raw.close()
+        for floor in floors.values():
+            floor.close()
     if not result["same_node"]:
         raise RuntimeError("the producer did not take the same-node socket (VERL_HPC_ROLLOUT_LOCAL=0?)")
     times = result["times"]
     row: dict[str, Any] = {"bytes": result["bytes"], "rows": result["rows"], "transfers_per_rep": transfers,
                            "raw_mb_s": result["bytes"] / statistics.median(times["raw"]) / 1e6}
-    for name in ROUTES:
-        ratios = [r / t for r, t in zip(times["raw"], times[name], strict=True)]
-        row[f"{name}_ratio"] = {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
+    for name in (*ROUTES, *FLOOR_MODES):
+        row[f"{name}_ratio"] = _ratios(times["raw"], times[name])
         row[f"{name}_mb_s"] = result["bytes"] / statistics.median(times[name]) / 1e6
+    row["local_vs_floor"] = _ratios(times["floor"], times["local"])
     return row
+
+
+def _ratios(baseline: list[float], measured: list[float]) -> dict[str, float]:
+    """Baseline time / measured time per alternating repetition: the throughput ratio."""
+    ratios = [b / m for b, m in zip(baseline, measured, strict=True)]
+    return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
 
 
 def measure(sizes: list[int], reps: int) -> list[dict[str, Any]]:
@@ -106,4 +124,9 @@ def table_lines(rows: list[dict[str, Any]], target: Any) -> list[str]:
         lines.append(f"{_label(row['bytes']):<18}{row['rows']:>6}{row['raw_mb_s']:>10.0f}{row['flight_mb_s']:>12.0f}"
                      f"{row['flight_ratio']['median']:>7.2f}{row['local_mb_s']:>11.0f}{local_r['median']:>7.2f}"
                      f"{local_r['min']:>6.2f}{local_r['max']:>6.2f}  >= {goal} {ok}")
+    lines += ["the floor under those ratios (bench/transport_floor.py), each against the same raw TCP socket:",
+              f"{'batch (IPC bytes)':<18}{'raw Unix':>10}{'floor':>7}{'local / floor':>15}"]
+    for row in rows:
+        lines.append(f"{_label(row['bytes']):<18}{row['unix_ratio']['median']:>10.2f}{row['floor_ratio']['median']:>7.2f}"
+                     f"{row['local_vs_floor']['median']:>15.2f}")
     return lines

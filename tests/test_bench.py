@@ -130,3 +130,26 @@ def test_step_memory_measures_whole_smollm2_steps(tmp_path: Path) -> None:
         assert variant["peak_rss_bytes"] >= variant["rank_peak_rss_gb"] * 2**30 * 0.9
         assert len(variant["step_s"]) == 2
     assert "target: peak <= bound" in step_memory.table(result)
+
+
+@pytest.mark.parametrize("mode", ["unix", "floor"])
+def test_the_transport_floor_receivers_take_every_put(mode: str) -> None:
+    """The floor's receivers answer each put once its bytes are read ("floor": and queued for the
+    consumer thread, which takes every one), and leave nothing behind in /dev/shm."""
+    import time
+
+    from bench.transport_floor import FloorReceiver, FloorSender
+
+    receiver = FloorReceiver(mode)
+    sender = FloorSender(receiver.path)
+    for size in (1, 64 << 10, 1 << 20):
+        sender.send(bytes(size))
+    deadline = time.monotonic() + 5
+    while mode == "floor" and receiver.taken < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert receiver.taken == (3 if mode == "floor" else 0)
+    sender.close()
+    receiver.close()
+    assert not os.path.exists(os.path.dirname(receiver.path))
+    with pytest.raises(ValueError, match="mode must be one of"):
+        FloorReceiver("tcp")
