@@ -2,7 +2,8 @@
 
 Why apart from the Flight server: the buffer is the part with the delivery contract
 (exactly-once into the buffer, blocking puts when full, a cancelled put never enqueued)
-and is tested on its own; the server only decodes requests and hands batches to it.
+and is tested on its own; the servers only read requests and hand batches to it (the
+same-node route hands them still encoded, and `get` decodes them: `wire.EncodedBatch`).
 """
 
 from __future__ import annotations
