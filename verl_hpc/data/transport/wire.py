@@ -126,10 +126,6 @@ class EncodedBatch:
     def __init__(self, body: Any, schema: pa.Schema, where: str) -> None:
         self.body, self.schema, self.where = body, schema, where
 
-    @property
-    def nbytes(self) -> int:
-        return len(self.body)
-
     def decode(self) -> RolloutBatch:
         """The checked batch, owning `body` (no copy); FlightServerError names what is wrong."""
         try:
