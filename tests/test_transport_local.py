@@ -21,6 +21,7 @@ import pyarrow.flight as flight
 import pytest
 
 from verl_hpc.data.rollout_batch import RolloutBatch
+from verl_hpc.data.transport import socket_dir
 from verl_hpc.data.transport.flight import RolloutFlightClient, RolloutFlightServer
 from verl_hpc.data.transport.local import DISABLE_ENV, local_location, reachable_path
 
@@ -64,6 +65,48 @@ def test_socket_lives_in_a_private_directory_removed_at_shutdown() -> None:
     assert path is not None and stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700
     srv.shutdown()
     assert not os.path.exists(os.path.dirname(path))
+
+
+def _dead_socket_dir(base: str, name: str, age_s: float) -> str:
+    """A socket directory as a kill -9'd trainer leaves it: the socket file, no listener."""
+    path = os.path.join(base, socket_dir.PREFIX + name)
+    os.mkdir(path, 0o700)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(os.path.join(path, socket_dir.SOCKET_NAME))
+    sock.close()  # closed without unlinking: connect() is now refused
+    past = time.time() - age_s
+    os.utime(path, (past, past))
+    return path
+
+
+def test_a_new_server_sweeps_directories_of_killed_trainers_and_keeps_live_and_young_ones(tmp_path) -> None:
+    base = str(tmp_path)
+    killed = _dead_socket_dir(base, "killed", age_s=3600)
+    empty = os.path.join(base, socket_dir.PREFIX + "empty")
+    os.mkdir(empty)
+    os.utime(empty, (time.time() - 3600,) * 2)
+    starting = _dead_socket_dir(base, "starting", age_s=1)  # may be a server between mkdtemp and bind
+    other = os.path.join(base, "someone-elses")
+    os.mkdir(other)
+    os.utime(other, (time.time() - 3600,) * 2)
+    with RolloutFlightServer(token=TOKEN, local=True) as live:
+        live_dir = os.path.dirname(reachable_path(live.local_location) or "")
+        os.utime(live_dir, (time.time() - 3600,) * 2)
+        assert sorted(socket_dir.sweep_stale(base)) == sorted([killed, empty])
+        assert live_dir not in socket_dir.sweep_stale(os.path.dirname(live_dir))  # a listener: kept, however old
+        with _client(live) as client:
+            client.put(_batch(1))
+        assert len(live.get(timeout=5)) == 1
+    assert not os.path.exists(killed) and not os.path.exists(empty)
+    assert os.path.exists(starting) and os.path.exists(other)
+
+
+def test_the_server_sweeps_its_socket_base_when_it_starts(monkeypatch, tmp_path) -> None:
+    killed = _dead_socket_dir(str(tmp_path), "killed", age_s=3600)
+    monkeypatch.setattr(socket_dir, "base_dir", lambda: str(tmp_path))
+    with RolloutFlightServer(token=TOKEN, local=True) as srv:
+        assert reachable_path(srv.local_location).startswith(str(tmp_path))
+    assert not os.path.exists(killed)
 
 
 def test_a_wrong_token_is_refused_and_nothing_is_enqueued(server) -> None:

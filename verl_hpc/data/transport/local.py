@@ -36,7 +36,6 @@ import select
 import shutil
 import socket
 import struct
-import tempfile
 import threading
 from typing import Any
 from urllib.parse import urlparse
@@ -45,7 +44,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from verl_hpc.data.transport import wire
+from verl_hpc.data.transport import socket_dir, wire
 from verl_hpc.data.transport.buffer import RolloutBuffer
 
 log = logging.getLogger(__name__)
@@ -83,11 +82,6 @@ def reachable_path(location: str | None) -> str | None:
     return parsed.path if os.path.exists(parsed.path) else None
 
 
-def _private_dir() -> str:
-    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
-    return tempfile.mkdtemp(prefix="verl-hpc-rollouts-", dir=base)  # mode 0700
-
-
 def recv_exact(conn: socket.socket, view: memoryview) -> bool:
     """Fill `view`; False on an orderly close before its first byte, EOFError mid-way."""
     got = 0
@@ -122,8 +116,10 @@ class LocalRolloutServer:
 
     def __init__(self, buffer: RolloutBuffer, token: str) -> None:
         self._buffer, self._expected = buffer, token.encode()
-        self._dir = _private_dir()
-        self.path = os.path.join(self._dir, "rollouts.sock")
+        for stale in socket_dir.sweep_stale():
+            log.info("removed %s: its trainer was killed before it could (no listener)", stale)
+        self._dir = socket_dir.make_private_dir()
+        self.path = os.path.join(self._dir, socket_dir.SOCKET_NAME)
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._listener.bind(self.path)
         self._listener.listen(64)
