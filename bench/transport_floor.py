@@ -22,6 +22,8 @@ import threading
 
 import numpy as np
 
+from verl_hpc.data.transport import socket_dir
+
 MODES = ("unix", "floor")
 _LENGTH = struct.Struct("!Q")
 
@@ -33,7 +35,7 @@ class FloorReceiver:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.mode = mode
-        self._dir = tempfile.mkdtemp(prefix="verl-hpc-floor-", dir="/dev/shm" if os.access("/dev/shm", os.W_OK) else None)
+        self._dir = tempfile.mkdtemp(prefix="verl-hpc-floor-", dir=socket_dir.base_dir())  # where the route's lives
         self.path = os.path.join(self._dir, "floor.sock")
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._listener.bind(self.path)

@@ -4,12 +4,13 @@ Why apart from `transport.py`: there the producer is a thread of the trainer's o
 so every acknowledgement is a hand-over of Python's GIL between two busy threads, which on
 this 2-vCPU VM costs more than moving 64 KB. In a run the producer is another process
 (a rollout rank), so this is the measurement that matches issue 19's target ("same node
-and across processes"). Beside them, two Python receivers that keep only the route's
-unavoidable hand-offs (`transport_floor.py`): what no Python design can beat. Routes, as in `transport.py`: "flight" (the gRPC stream),
-"local" (the same-node Unix socket), and the baseline, length-prefixed bytes over one
-loopback TCP connection answered with one byte. The producer times `transfers` puts (each
-returns once the trainer has the batch in its buffer); a consumer thread in the trainer
-takes batches off the buffer throughout, as the trainer does.
+and across processes"). Routes, as in `transport.py`: "flight" (the gRPC stream), "local"
+(the same-node Unix socket), and the baseline, length-prefixed bytes over one loopback TCP
+connection answered with one byte. Beside them, two Python receivers that keep only the
+route's unavoidable hand-offs (`transport_floor.py`): what no Python design can beat. The
+producer times `transfers` puts (each returns once the trainer has the batch in its
+buffer); a consumer thread in the trainer takes batches off the buffer throughout, as the
+trainer does.
 """
 
 from __future__ import annotations
