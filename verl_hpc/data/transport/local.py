@@ -15,10 +15,8 @@ What does not change (same tests, `tests/test_transport_local.py`):
 - the client's numbering, retries on a broken connection (same number: a duplicate is
   acknowledged, never enqueued twice), and `put_timeout` as a `FlightTimedOutError`.
 
-Wire, after the hello: frames of `!QBQ` (sequence, kind, length) + one IPC message. The
-schema goes once per connection (kind SCHEMA, no ack). Each batch (kind BATCH) is
-answered `!QB` (sequence, status), or by an error text that fails the connection.
-Large batches leave the sender without a copy: the IPC writer's buffers go to one
+The wire (a hello, then one frame per IPC message, each batch acknowledged) is in
+`frames.py`. Large batches leave the sender without a copy: the IPC writer's buffers go to one
 `sendmsg`. The receiver reads each batch into fresh memory that the batch then owns,
 and buffers it still encoded: the trainer's `get` decodes it and checks its rows
 (`wire.EncodedBatch`), so a put waits for neither. The row checks are the same;
@@ -40,27 +38,17 @@ import threading
 from typing import Any
 from urllib.parse import urlparse
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from verl_hpc.data.transport import socket_dir, wire
+from verl_hpc.data.transport import frames, socket_dir, wire
 from verl_hpc.data.transport.buffer import RolloutBuffer
 
 log = logging.getLogger(__name__)
 
 DISABLE_ENV = "VERL_HPC_ROLLOUT_LOCAL"  # "0": producers use Flight even on the trainer's node
-_MAGIC = b"VHPC-RL1"
-_HELLO = struct.Struct("!8sII")    # magic, token bytes, producer id bytes
-_FRAME = struct.Struct("!QBQ")     # sequence, kind, message bytes
-_ACK = struct.Struct("!QB")        # sequence, status
-SCHEMA, BATCH = 0, 1
-_STATUS = {0: "queued", 1: "duplicate"}
-_UNAVAILABLE, _REFUSED = 254, 255  # then !I + an error text; the server closes the connection
 _COPY_BELOW = 256 << 10            # smaller batches: one serialise (~10 us) beats ~60 buffer handoffs
-_MAX_MESSAGE = 1 << 40
 _SEND_BUFFER = 4 << 20
-_IOV_MAX = 1024                    # Linux's limit on the buffers of one sendmsg
 
 
 def enabled() -> bool:
@@ -80,35 +68,6 @@ def reachable_path(location: str | None) -> str | None:
     if parsed.scheme != "unix" or parsed.hostname != socket.gethostname().lower() or not parsed.path:
         return None
     return parsed.path if os.path.exists(parsed.path) else None
-
-
-def recv_exact(conn: socket.socket, view: memoryview) -> bool:
-    """Fill `view`; False on an orderly close before its first byte, EOFError mid-way."""
-    got = 0
-    while got < len(view):
-        # MSG_WAITALL: the kernel fills the whole view before waking us (one GIL round trip, not one per segment)
-        n = conn.recv_into(view[got:], 0, socket.MSG_WAITALL)
-        if n == 0:
-            if got == 0:
-                return False
-            raise EOFError(f"connection closed after {got} of {len(view)} bytes")
-        got += n
-    return True
-
-
-def _sendmsg_all(conn: socket.socket, parts: list[Any], nbytes: int) -> None:
-    """`sendmsg` of all `nbytes` of the parts, resumed after a partial send (a batch over SO_SNDBUF)."""
-    sent = conn.sendmsg(parts) if len(parts) <= _IOV_MAX else 0
-    if sent == nbytes:  # the usual case: one call, no views made
-        return
-    views = [memoryview(p).cast("B") for p in parts]
-    while True:
-        while views and sent >= len(views[0]):
-            sent -= len(views.pop(0))
-        if not views:
-            return
-        views[0] = views[0][sent:]
-        sent = conn.sendmsg(views[:_IOV_MAX])
 
 
 class LocalRolloutServer:
@@ -163,40 +122,32 @@ class LocalRolloutServer:
                 self._buffer.reject()
             text = str(exc).encode()
             with contextlib.suppress(OSError):
-                conn.sendall(_ACK.pack(0, _UNAVAILABLE if unavailable else _REFUSED) + struct.pack("!I", len(text))
-                             + text)
+                status = frames.UNAVAILABLE if unavailable else frames.REFUSED
+                conn.sendall(frames.ACK.pack(0, status) + struct.pack("!I", len(text)) + text)
         finally:
             with self._lock:
                 self._conns.discard(conn)
             conn.close()
 
     def _hello(self, conn: socket.socket) -> str | None:
-        head = bytearray(_HELLO.size)
-        if not recv_exact(conn, memoryview(head)):
+        hello = frames.read_hello(conn)
+        if hello is None:
             return None
-        magic, token_len, producer_len = _HELLO.unpack(head)
-        if magic != _MAGIC or token_len > 4096 or producer_len > 4096:
-            raise ValueError("not a rollout producer's hello")
-        rest = bytearray(token_len + producer_len)
-        recv_exact(conn, memoryview(rest))
-        if not hmac.compare_digest(bytes(rest[:token_len]), self._expected):
+        token, producer = hello
+        if not hmac.compare_digest(token, self._expected):
             self._buffer.reject()
             conn.sendall(b"\x01")
             return None
         conn.sendall(b"\x00")
-        return rest[token_len:].decode()
+        return producer.decode()
 
     def _batches(self, conn: socket.socket, producer: str) -> None:
-        head = bytearray(_FRAME.size)
+        head = bytearray(frames.FRAME.size)
         schema: pa.Schema | None = None
-        while recv_exact(conn, memoryview(head)):
-            seq, kind, nbytes = _FRAME.unpack(head)
-            if nbytes > _MAX_MESSAGE:
-                raise ValueError(f"a {nbytes}-byte message")
-            body = np.empty(nbytes, dtype=np.uint8)  # the batch will own it: no second copy
-            recv_exact(conn, memoryview(body))
+        while (frame := frames.read_frame(conn, head)) is not None:
+            seq, kind, body = frame
             where = f"rollout put from {producer!r} #{seq}"
-            if kind == SCHEMA:
+            if kind == frames.SCHEMA:
                 schema = pa.ipc.read_schema(pa.ipc.read_message(pa.py_buffer(body)))
                 wire.check_schema(schema, f"rollout stream from {producer!r}")
                 continue
@@ -208,7 +159,7 @@ class LocalRolloutServer:
             with self._lock:
                 self.counts["local_batches"] += 1
             try:  # acknowledged first, then the consumer woken: neither waits on the other for the GIL
-                conn.sendall(_ACK.pack(seq, 0 if status == "queued" else 1))
+                conn.sendall(frames.ACK.pack(seq, 0 if status == "queued" else 1))
             finally:
                 self._buffer.wake()
 
@@ -249,9 +200,10 @@ class LocalConnection:
         try:
             self.sock.connect(path)
             token_b, producer_b = token.encode(), producer_id.encode()
-            self.sock.sendall(_HELLO.pack(_MAGIC, len(token_b), len(producer_b)) + token_b + producer_b)
+            self.sock.sendall(frames.HELLO.pack(frames.MAGIC, len(token_b), len(producer_b)) + token_b
+                              + producer_b)
             reply = bytearray(1)
-            if not recv_exact(self.sock, memoryview(reply)) or reply != b"\x00":
+            if not frames.recv_exact(self.sock, memoryview(reply)) or reply != b"\x00":
                 raise flight.FlightUnauthenticatedError(
                     "rollout transport: the trainer refused this producer's token "
                     "(the token is in <run_dir>/secrets/flight_token)")
@@ -261,7 +213,7 @@ class LocalConnection:
         self.schema: pa.Schema | None = None
         self._writer: pa.ipc.RecordBatchStreamWriter | None = None
         self._parts: list[Any] = []
-        self._ack = bytearray(_ACK.size)
+        self._ack = bytearray(frames.ACK.size)
 
     def send(self, record_batch: pa.RecordBatch, seq: int, timeout: float | None) -> str:
         """One batch; returns the ack once the trainer buffered it (`TimeoutError` past `timeout`)."""
@@ -276,31 +228,32 @@ class LocalConnection:
             raise
         if timeout is not None:
             self.sock.settimeout(timeout)
-        if not recv_exact(self.sock, memoryview(self._ack)):
+        if not frames.recv_exact(self.sock, memoryview(self._ack)):
             raise ConnectionResetError("the trainer closed the rollout connection")
-        got, status = _ACK.unpack(self._ack)
-        if status in (_UNAVAILABLE, _REFUSED):
+        got, status = frames.ACK.unpack(self._ack)
+        if status in (frames.UNAVAILABLE, frames.REFUSED):
             self._raise_refusal(status)
         if got != seq:
             raise ConnectionResetError(f"acknowledgement for #{got}, expected #{seq}")
-        return _STATUS[status]
+        return frames.STATUS[status]
 
     def _send_batch(self, record_batch: pa.RecordBatch, seq: int) -> None:
         if record_batch.get_total_buffer_size() < _COPY_BELOW:
             message = record_batch.serialize()
-            _sendmsg_all(self.sock, [_FRAME.pack(seq, BATCH, message.size), message],  # one wake-up, not two
-                         _FRAME.size + message.size)
+            head = frames.FRAME.pack(seq, frames.BATCH, message.size)
+            frames.sendmsg_all(self.sock, [head, message], frames.FRAME.size + message.size)  # one wake-up, not two
         else:
             self._parts.clear()
             self._writer.write_batch(record_batch)  # type: ignore[union-attr]  # its buffers, no copy
             nbytes = sum(map(len, self._parts))  # bytes and pyarrow Buffers: len is bytes
-            _sendmsg_all(self.sock, [_FRAME.pack(seq, BATCH, nbytes), *self._parts], _FRAME.size + nbytes)
+            head = frames.FRAME.pack(seq, frames.BATCH, nbytes)
+            frames.sendmsg_all(self.sock, [head, *self._parts], frames.FRAME.size + nbytes)
             self._parts.clear()
 
     def _start(self, schema: pa.Schema) -> None:
         """Tell the trainer the schema; later batches carry only their record batch message."""
         message = schema.serialize()
-        self.sock.sendall(_FRAME.pack(0, SCHEMA, message.size))
+        self.sock.sendall(frames.FRAME.pack(0, frames.SCHEMA, message.size))
         self.sock.sendall(message)
         self.schema = schema
         sink = pa.PythonFile(_PartSink(self._parts), mode="w")
@@ -313,18 +266,18 @@ class LocalConnection:
         try:
             if status is None:
                 self.sock.settimeout(1.0)
-                if not recv_exact(self.sock, memoryview(self._ack)):
+                if not frames.recv_exact(self.sock, memoryview(self._ack)):
                     return
-                status = _ACK.unpack(self._ack)[1]
-                if status not in (_UNAVAILABLE, _REFUSED):
+                status = frames.ACK.unpack(self._ack)[1]
+                if status not in (frames.UNAVAILABLE, frames.REFUSED):
                     return
             size = bytearray(4)
-            recv_exact(self.sock, memoryview(size))
+            frames.recv_exact(self.sock, memoryview(size))
             text = bytearray(struct.unpack("!I", size)[0])
-            recv_exact(self.sock, memoryview(text))
+            frames.recv_exact(self.sock, memoryview(text))
         except (OSError, EOFError):
             return
-        error = flight.FlightUnavailableError if status == _UNAVAILABLE else flight.FlightServerError
+        error = flight.FlightUnavailableError if status == frames.UNAVAILABLE else flight.FlightServerError
         raise error(text.decode(errors="replace"))
 
     def close(self) -> None:
