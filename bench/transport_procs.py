@@ -15,23 +15,26 @@ trainer does.
 
 from __future__ import annotations
 
+import itertools
 import multiprocessing as mp
 import statistics
 import threading
 import time
 from typing import Any
 
+from bench.native_receiver import NativeReceiver
 from bench.transport import RawLoopback, _label, ipc_bytes, make_batch, transfers_per_rep
 from bench.transport_floor import MODES as FLOOR_MODES
 from bench.transport_floor import FloorReceiver, FloorSender
 from verl_hpc.data.transport.flight import RolloutFlightClient, RolloutFlightServer
+from verl_hpc.data.transport.local import LocalConnection
 
 TOKEN = "bench-procs"
 ROUTES = ("flight", "local")
 
 
-def _producer(location: str, local_location: str, raw_port: int, floor_paths: dict[str, str], nbytes: int,
-              reps: int, transfers: int, out: Any) -> None:
+def _producer(location: str, local_location: str, raw_port: int, floor_paths: dict[str, str],
+              native_path: str | None, nbytes: int, reps: int, transfers: int, out: Any) -> None:
     """The child: alternate the routes, the raw socket and the floors; send back the seconds per transfer."""
     batch = make_batch(nbytes)
     payload = ipc_bytes(batch)
@@ -41,6 +44,9 @@ def _producer(location: str, local_location: str, raw_port: int, floor_paths: di
     floors = {mode: FloorSender(path) for mode, path in floor_paths.items()}
     sends = {**{name: (lambda c=client: c.put(batch)) for name, client in clients.items()},
              "raw": lambda: raw.send(payload), **{mode: (lambda f=f: f.send(payload)) for mode, f in floors.items()}}
+    if native_path is not None:  # the route's own client end, into the C receiver (native_receiver.py)
+        native, numbers = LocalConnection(native_path, TOKEN, "procs-native"), itertools.count()
+        sends["native"] = lambda: native.send(batch.record_batch, next(numbers), None)
     times: dict[str, list[float]] = {name: [] for name in sends}
     try:
         for rep in range(reps + 1):  # rep 0 warms up every path and is dropped
@@ -61,7 +67,8 @@ def _producer(location: str, local_location: str, raw_port: int, floor_paths: di
         raw.close()
 
 
-def measure_size(nbytes: int, reps: int) -> dict[str, Any]:
+def measure_size(nbytes: int, reps: int, native: bool = False) -> dict[str, Any]:
+    """One size's ratios; `native`: also the C receiver of bench/native_receiver.c (needs a compiler)."""
     transfers = transfers_per_rep(nbytes)
     server = RolloutFlightServer(token=TOKEN, capacity=2, local=True)
     raw = RawLoopback(nbytes * 2, connect=False)
@@ -77,11 +84,13 @@ def measure_size(nbytes: int, reps: int) -> dict[str, Any]:
     consumer = threading.Thread(target=consume, daemon=True)
     consumer.start()
     floors = {mode: FloorReceiver(mode) for mode in FLOOR_MODES}
+    receiver = NativeReceiver(TOKEN, capacity=2) if native else None
     ctx = mp.get_context("spawn")
     parent_end, child_end = ctx.Pipe()
     child = ctx.Process(target=_producer, args=(server.location, server.local_location, raw.port,
-                                                {mode: f.path for mode, f in floors.items()}, nbytes, reps,
-                                                transfers, child_end))
+                                                {mode: f.path for mode, f in floors.items()},
+                                                receiver.path if receiver else None, nbytes, reps, transfers,
+                                                child_end))
     try:
         child.start()
         result = parent_end.recv()
@@ -93,15 +102,20 @@ def measure_size(nbytes: int, reps: int) -> dict[str, Any]:
         raw.close()
         for floor in floors.values():
             floor.close()
+        if receiver is not None:
+            receiver.close()
     if not result["same_node"]:
         raise RuntimeError("the producer did not take the same-node socket (VERL_HPC_ROLLOUT_LOCAL=0?)")
     times = result["times"]
     row: dict[str, Any] = {"bytes": result["bytes"], "rows": result["rows"], "transfers_per_rep": transfers,
                            "raw_mb_s": result["bytes"] / statistics.median(times["raw"]) / 1e6}
-    for name in (*ROUTES, *FLOOR_MODES):
+    for name in (*ROUTES, *FLOOR_MODES, *(["native"] if native else [])):
         row[f"{name}_ratio"] = _ratios(times["raw"], times[name])
         row[f"{name}_mb_s"] = result["bytes"] / statistics.median(times[name]) / 1e6
     row["local_vs_floor"] = _ratios(times["floor"], times["local"])
+    if receiver is not None:
+        row["native_vs_local"] = _ratios(times["local"], times["native"])
+        row["native_taken"], row["native_out_of_order"] = receiver.taken, receiver.out_of_order
     return row
 
 
