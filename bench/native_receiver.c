@@ -135,9 +135,17 @@ static int receiver_init(Receiver *self, PyObject *args, PyObject *kwargs) {
         PyErr_SetString(PyExc_ValueError, "capacity must be at least 1");
         return -1;
     }
-    self->fd = dup(fd); /* the Python socket may be closed first; this end is ours */
+    if (self->ring != NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "a Receiver is initialised once");
+        return -1;
+    }
     self->ring = calloc((size_t)capacity, sizeof(Item));
-    if (self->fd < 0 || self->ring == NULL) {
+    if (self->ring == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    self->fd = dup(fd); /* the Python socket may be closed first; this end is ours */
+    if (self->fd < 0) {
         PyErr_SetFromErrno(PyExc_OSError);
         return -1;
     }
@@ -146,6 +154,7 @@ static int receiver_init(Receiver *self, PyObject *args, PyObject *kwargs) {
     pthread_cond_init(&self->nonempty, NULL);
     pthread_cond_init(&self->space, NULL);
     if (pthread_create(&self->thread, NULL, receive_loop, self) != 0) {
+        close(self->fd);
         PyErr_SetString(PyExc_RuntimeError, "could not start the receiving thread");
         return -1;
     }

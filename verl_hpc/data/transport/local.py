@@ -16,9 +16,9 @@ What does not change (same tests, `tests/test_transport_local.py`):
   acknowledged, never enqueued twice), and `put_timeout` as a `FlightTimedOutError`.
 
 The wire (a hello, then one frame per IPC message, each batch acknowledged) is in
-`frames.py`. Large batches leave the sender without a copy: the IPC writer's buffers go to one
-`sendmsg`. The receiver reads each batch into fresh memory that the batch then owns,
-and buffers it still encoded: the trainer's `get` decodes it and checks its rows
+`frames.py`. Large batches leave the sender without a copy: the IPC writer's buffers go
+to one `sendmsg`. The receiver reads each batch into fresh memory that the batch then
+owns, and buffers it still encoded: the trainer's `get` decodes it and checks its rows
 (`wire.EncodedBatch`), so a put waits for neither. The row checks are the same;
 a batch failing them (which `RolloutBatch` itself never lets a producer build) is
 dropped at `get` and counted as rejected instead of refused at its put.
