@@ -90,7 +90,9 @@ class NativeReceiver:
     def _greet(self, conn: socket.socket) -> pa.Schema | None:
         """The route's hello and schema, read by the route's code; None if the producer is refused."""
         hello = frames.read_hello(conn)
-        if hello is None or not hmac.compare_digest(hello[0], self._token):
+        if hello is None:  # gone before it said anything: nobody to answer
+            return None
+        if not hmac.compare_digest(hello[0], self._token):
             conn.sendall(b"\x01")
             return None
         conn.sendall(b"\x00")

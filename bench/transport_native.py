@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from bench import transport, transport_procs
+from bench.native_receiver import build_problem
 from bench.transport import _label
 
 QUICK_SIZES = [64 << 10, 1 << 20]
@@ -24,8 +25,6 @@ FULL_SIZES = [64 << 10, 1 << 20, 16 << 20]
 
 
 def run(quick: bool = False, scratch: str | None = None) -> dict[str, Any]:
-    from bench.native_receiver import build_problem
-
     problem = build_problem()
     if problem:
         raise SystemExit(f"transport_native needs to build bench/native_receiver.c: {problem}")
