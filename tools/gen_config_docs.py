@@ -24,6 +24,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
+from verl_hpc.config.loader import BASE_KEY
 from verl_hpc.config.resources import ROLE_NAMES, VALID_STRATEGIES
 from verl_hpc.config.schema import RunConfig
 from verl_hpc.models.tiny import PRESETS
@@ -42,6 +43,8 @@ TEMPLATES: dict[str, tuple[str, str]] = {
 
 DESCRIPTIONS: dict[str, str] = {
     # top level
+    "base": "another config file this one is merged over (a path relative to this file; mappings merge key by "
+            "key, other values replace; bases may chain); read by the loader, not kept in the resolved config",
     "model": "the policy model: a local Hugging Face directory, optionally built on first use",
     "data": "where prompts come from: Parquet/JSONL files and/or a built-in task",
     "reward": "how each response is scored: a Python function or a reward model (none for algorithm.name: dpo)",
@@ -367,6 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     missing: list[str] = []
     sections = walk(RunConfig, "", "", missing)
+    sections[0].rows.insert(0, (BASE_KEY, "str, optional", "`null`", DESCRIPTIONS[BASE_KEY]))  # a key of the file
     if missing:
         print(f"no description for: {', '.join(missing)} (add them to DESCRIPTIONS in {Path(__file__).name})",
               file=sys.stderr)

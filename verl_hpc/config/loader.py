@@ -16,9 +16,50 @@ from pydantic import BaseModel, ValidationError
 
 from verl_hpc.config.errors import ConfigError, FieldError
 
+BASE_KEY = "base"
+
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
-    path = Path(path)
+    """A config file as a mapping, with the files its `base:` names merged under it.
+
+    Why bases: most example configs share the model, task and algorithm and differ only in
+    placement; a delta that says `base: quickstart.yaml` and what it changes shows the
+    difference at a glance. The base's path is relative to the file that names it; bases may
+    chain; the including file wins key by key (`merge_under`); overrides still apply last.
+    """
+    return _with_bases(Path(path), ())
+
+
+def _with_bases(path: Path, including: tuple[Path, ...]) -> dict[str, Any]:
+    data = _read_mapping(path)
+    base = data.pop(BASE_KEY, None)
+    if base is None:
+        return data
+    if not isinstance(base, str) or not base.strip():
+        raise ConfigError(BASE_KEY, f"must be the path of another config file, got {base!r}",
+                          "e.g. base: quickstart.yaml (relative to this file)", source=str(path))
+    chain = (*including, path.resolve())
+    target = (path.parent / Path(base).expanduser()).resolve()
+    if target in chain:
+        cycle = " -> ".join(p.name for p in (*chain[chain.index(target):], target))
+        raise ConfigError(BASE_KEY, f"{base} leads back to a file that includes it ({cycle})",
+                          "remove one `base:` of the cycle", source=str(path))
+    if not target.is_file():
+        raise ConfigError(BASE_KEY, f"{target} does not exist",
+                          "a base is a path relative to the file that names it", source=str(path))
+    return merge_under(_with_bases(target, chain), data)
+
+
+def merge_under(base: dict[str, Any], data: dict[str, Any]) -> dict[str, Any]:
+    """`data` over `base`: mappings merge key by key, any other value (a list too) replaces; a new dict."""
+    merged = dict(base)
+    for key, value in data.items():
+        below = merged.get(key)
+        merged[key] = merge_under(below, value) if isinstance(value, dict) and isinstance(below, dict) else value
+    return merged
+
+
+def _read_mapping(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError("", f"config file {path} does not exist", "check the path")
     try:
@@ -155,7 +196,7 @@ def on_cpu_model(raw: dict[str, Any]) -> dict[str, Any]:
 
 
 def load_resource_config(path: str | Path):  # -> ResourceConfig
-    """Read the seeds' standalone `resource_config.yaml` verbatim."""
+    """Read a standalone `resource_config.yaml` (the `resources` section alone) verbatim."""
     from verl_hpc.config.resources import ResourceConfig
 
     return validate_section(ResourceConfig, read_yaml(path), source=str(path))
