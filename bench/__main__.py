@@ -1,8 +1,9 @@
 """`python -m bench NAME [--quick]`: run one benchmark, print its table, save its JSON.
 
 Why a tiny runner of our own: each benchmark is a module with `run(quick) -> dict` and
-`table(result) -> str`; results land in bench/results/<name>.json (<name>-quick.json for
---quick) so runs on different machines can be compared file to file. `all` runs every
+`table(result) -> str` (a real-model variant: `run(quick, model=...)`); results land in
+bench/results/<name>.json (<name>-quick.json for --quick) so runs on different machines can
+be compared file to file. `all` runs every
 benchmark in turn (CI runs `python -m bench all --quick` as a smoke test). Every result
 carries `ratios`: {name: {median, min, max}} — the numbers the docs quote.
 """
@@ -18,35 +19,23 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
-BENCHMARKS = {"checkpoint": "bench.checkpoint", "transport": "bench.transport",
-              "weight_sync": "bench.weight_sync", "step": "bench.step",
-              "step_overlap": "bench.step_overlap", "rollout": "bench.rollout",
-              "scaling": "bench.scaling", "placement": "bench.placement",
-              "placement_gpu": "bench.placement_gpu", "preemption": "bench.preemption",
-              "logprob_memory": "bench.logprob_memory", "presets": "bench.presets",
-              "memory": "bench.memory", "scale_model": "bench.scale_model",
-              "weight_fanout": "bench.weight_fanout"}
-# Not in `all`: it needs the local Slurm cluster and minutes of its time (`preemption --slurm`).
-OPT_IN = {"preemption_slurm": "bench.preemption_slurm",
-          "versions": "bench.versions",  # also not in `all`: a git worktree of another revision, minutes
-          "step_smollm2": "bench.step_smollm2",  # and the real-model step: a built model, TRL's venv, minutes
-          "soak": "bench.soak",  # and the leak soak: thousands of steps, minutes (CI: tests/test_soak.py)
-          "step_memory": "bench.step_memory",  # and a whole SmolLM2 step's peak memory per switch, minutes
-          "transport_native": "bench.transport_native"}  # and the C receiver: it compiles C (compiler, headers)
-# `--model NAME` picks a benchmark's real-model variant: (benchmark, model) -> the module's name above.
+BENCHMARKS = {"step": "bench.step", "memory": "bench.memory", "checkpoint": "bench.checkpoint",
+              "preemption": "bench.preemption", "transport": "bench.transport", "weight_sync": "bench.weight_sync"}
+# Not in `all`: minutes of a local Slurm cluster (`preemption --slurm`), and the real-model step (a built
+# SmolLM2, TRL's venv, minutes: `step --model smollm2`). "module:model" runs the module with `model=`.
+OPT_IN = {"preemption_slurm": "bench.preemption_slurm", "step_smollm2": "bench.step:smollm2"}
+# `--model NAME` picks a benchmark's real-model variant: (benchmark, model) -> the name above.
 MODEL_VARIANTS = {("step", "smollm2"): "step_smollm2"}
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-def run_one(name: str, quick: bool, scratch: str | None, results: Path = RESULTS, **options: Any) -> Path:
-    """Run benchmark `name`, print its table, write its JSON; returns the JSON's path.
-
-    `options`: a benchmark's own keyword arguments (soak's `steps`)."""
-    module = importlib.import_module({**BENCHMARKS, **OPT_IN}[name])
+def run_one(name: str, quick: bool, scratch: str | None, results: Path = RESULTS) -> Path:
+    """Run benchmark `name`, print its table, write its JSON; returns the JSON's path."""
+    module_name, _, model = {**BENCHMARKS, **OPT_IN}[name].partition(":")
+    module = importlib.import_module(module_name)
     start = time.perf_counter()
-    result = module.run(quick=quick, scratch=scratch, **options)
+    result = module.run(quick=quick, scratch=scratch, **({"model": model} if model else {}))
     result["benchmark"], result["quick"] = name, quick
     result["wall_s"] = time.perf_counter() - start
     result["machine"] = {"host": platform.node(), "python": platform.python_version(),
@@ -72,10 +61,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="preemption only: a real preemption on the local Slurm cluster (preemption_slurm)")
     parser.add_argument("--model", choices=sorted({m for _, m in MODEL_VARIANTS}),
                         help="step only: the same benchmark on a real model (step --model smollm2)")
-    parser.add_argument("--steps", type=int, help="soak only: steps per config (default 5000, --quick 300)")
     args = parser.parse_args(argv)
-    if args.steps is not None and args.name != "soak":
-        parser.error("--steps goes with the soak benchmark only")
     if args.slurm:
         if args.name != "preemption":
             parser.error("--slurm goes with the preemption benchmark only")
@@ -86,7 +72,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                          + ", ".join(b for b, m in MODEL_VARIANTS if m == args.model))
         args.name = MODEL_VARIANTS[(args.name, args.model)]
     for name in BENCHMARKS if args.name == "all" else [args.name]:
-        run_one(name, args.quick, args.dir, args.out, **({"steps": args.steps} if args.steps else {}))
+        run_one(name, args.quick, args.dir, args.out)
     return 0
 
 

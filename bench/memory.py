@@ -1,156 +1,137 @@
-"""Peak memory and time of the actor's update with each memory switch on, against all of them off.
+"""Peak memory of a whole GRPO step on SmolLM2-135M-Instruct, each memory switch set against none.
 
-What is measured: the actor's PPO update (`Actor.update`: forward, backward, AdamW step) on
-one rollout-shaped batch: left-padded prompts of half to full `prompt` tokens, right-padded
-responses of an eighth to all of `response` tokens, as a GSM8K batch looks. Variants:
-`plain` (whole logits, no recomputation, padded rows: the baseline), then each switch on
-its own — `model.logprob_chunk_tokens`, `model.gradient_checkpointing`,
-`model.remove_padding`, `model.lora` (rank 16) — and all of them together. Each variant runs
-in a fresh process; the figure is the process's peak resident set (weights, gradients,
-AdamW state, activations: what a trainer rank needs) and the median of `steps` timed
-updates after a warm-up one.
+What a user's step holds: the policy and its AdamW state, the reference policy, generation
+(KV cache, tokenizer, prompts), scoring, old and reference log-probs and the update. This runs
+the real thing — `verl-hpc train configs/smollm2_gsm8k.yaml` at 8 prompts x 4 samples, 64 new
+tokens, KL on so the reference exists, 2 steps so AdamW's state exists — once per variant, each
+in a fresh process, and samples the resident set of its process tree every 0.1 s. The figure
+held to the bound is the run's own `memory/peak_rss_gb` at its last step, logged before the
+final checkpoint is written (its staging copy is `bench checkpoint`'s subject); the tree's
+peak, save included, is shown beside it.
 
-Then every switch on, the peak at 64, 256 and 1024 response tokens (8 rows): the growth
-per added token late against early, 1.0 for linear growth.
+The bound: 1.5 x (weights + gradients + AdamW's two moments + the reference's weights), all
+fp32 — 5 copies of the parameters, ~2.7 GB for SmolLM2, so ~4.0 GB.
 
-Models: SmolLM2-135M-Instruct when `tools/make_smollm2.py` has built it (not --quick), else the
-`small` preset (`--quick`: `tiny`).
-Reported: ratios variant / plain of peak memory and of step time, and the length growth.
+    .venv/bin/python -m bench memory        # minutes; needs tools/make_smollm2.py's model
 """
 
 from __future__ import annotations
 
-import json
+import importlib.util
 import os
-import statistics
+import shutil
 import subprocess
 import sys
-import time
+import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
-from bench.logprob_memory import SMOLLM2
+from bench import REPO, SMOLLM2, SMOLLM2_MISSING, read_metrics, single, watch_peak
 
-SWITCHES = {"plain": {}, "chunked": {"chunk": 1024}, "recompute": {"recompute": True},
-            "remove_padding": {"remove_padding": True}, "lora_r16": {"lora": 16},
-            "all": {"chunk": 1024, "recompute": True, "remove_padding": True, "lora": 16}}
-
-
-def _model(name: str):  # -> a causal LM
-    from transformers import AutoModelForCausalLM
-
-    from verl_hpc.models.tiny import PRESETS, build_model
-
-    if name == "smollm2":
-        return AutoModelForCausalLM.from_pretrained(SMOLLM2)
-    return build_model(PRESETS[name], 512, pad_id=0, eos_id=1, seed=0)
-
-
-def rollout_batch(vocab: int, rows: int, prompt: int, response: int) -> dict[str, Any]:
-    """A seeded batch with rollout padding: prompts left-padded, responses right-padded."""
-    import torch
-
-    gen = torch.Generator().manual_seed(0)
-    prompt_lens = torch.randint(max(1, prompt // 2), prompt + 1, (rows,), generator=gen)
-    resp_lens = torch.randint(max(1, response // 8), response + 1, (rows,), generator=gen)
-    attention = torch.zeros(rows, prompt + response, dtype=torch.long)
-    for i in range(rows):
-        attention[i, prompt - int(prompt_lens[i]):prompt + int(resp_lens[i])] = 1
-    ids = torch.randint(2, vocab, (rows, prompt + response), generator=gen) * attention
-    mask = attention[:, prompt:].float()
-    return {"input_ids": ids, "attention_mask": attention, "position_ids": (attention.cumsum(1) - 1).clamp(min=0),
-            "response_mask": mask, "advantages": torch.randn(rows, response, generator=gen) * mask}
+BOUND_FACTOR = 1.5
+PLAIN = ["model.logprob_chunk_tokens=0", "model.remove_padding=false", "model.gradient_checkpointing=false"]
+ALL = ["model.remove_padding=true", "model.gradient_checkpointing=true"]
+VARIANTS: dict[str, list[str]] = {
+    "plain": PLAIN,                                    # whole logits, padded rows, every activation kept
+    "defaults": [],                                    # chunked log-probs (the default)
+    "remove_padding": ["model.remove_padding=true"],
+    "gradient_checkpointing": ["model.gradient_checkpointing=true"],
+    "all": ALL,
+    "all_lora_r16": [*ALL, "model.lora={rank: 16, alpha: 32}"],
+}
+SHAPE = ["trainer.batch_size=32", "algorithm.sampling.n=4", "algorithm.sampling.max_new_tokens=64",
+         "trainer.total_steps=2", "checkpoint.interval_steps=100", "trainer.torch_threads=2",
+         "logging.progress=off", "algorithm.kl.coef=0.001"]
+QUICK_SHAPE = [*SHAPE, "trainer.batch_size=4", "algorithm.sampling.n=2", "algorithm.sampling.max_new_tokens=8"]
 
 
-def measure(model: str, switches: dict[str, Any], rows: int, prompt: int, response: int,
-            steps: int) -> dict[str, Any]:
-    """In this process: a warm-up update and `steps` timed ones; peak RSS and the median step."""
-    import resource
-
-    import torch
-
-    from verl_hpc.config import AlgorithmConfig
-    from verl_hpc.config.schema import LoraConfig, OptimConfig
-    from verl_hpc.roles.actor import Actor, UpdatePlan
-    from verl_hpc.roles.fsdp import checkpoint_activations
-    from verl_hpc.roles.lora import apply_lora
-
-    torch.manual_seed(0)
-    torch.set_num_threads(2)
-    net = _model(model)
-    if switches.get("lora"):
-        apply_lora(net, LoraConfig(rank=switches["lora"], alpha=2.0 * switches["lora"]), seed=0)
-    if switches.get("recompute"):
-        checkpoint_activations(net)
-    actor = Actor(net, AlgorithmConfig(), OptimConfig(lr=1e-5), total_steps=steps + 1,
-                  chunk_tokens=switches.get("chunk", 0), remove_padding=switches.get("remove_padding", False))
-    batch = rollout_batch(net.config.vocab_size, rows, prompt, response)
-    plan = UpdatePlan(rows, max(1, rows // 2), 1)
-    times, stats = [], {}
-    for i in range(steps + 1):
-        start = time.perf_counter()
-        stats = actor.update(batch, plan)
-        if i:
-            times.append(time.perf_counter() - start)
-    return {"peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            "step_seconds": statistics.median(times), "pg_loss": stats["pg_loss"],
-            "trained_params": sum(p.numel() for p in net.parameters() if p.requires_grad),
-            "real_tokens": int(batch["attention_mask"].sum()), "padded_tokens": batch["attention_mask"].numel()}
+def _gsm8k(out_dir: Path) -> Path:
+    spec = importlib.util.spec_from_file_location("make_data", REPO / "examples" / "gsm8k" / "make_data.py")
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module.write(out_dir, count=64)
 
 
-def in_fresh_process(module: str, *args: Any) -> dict[str, Any]:
-    """`module.measure(*args)` in a new interpreter (so one variant's freed pages cannot hide another's peak)."""
-    code = f"import json; from {module} import measure; print(json.dumps(measure(*{args!r})))"
-    # A fixed mmap threshold (as bench/logprob_memory.py): glibc otherwise raises it after large
-    # frees and serves later large tensors from its heap, where freed pages stay resident, so the
-    # peak would measure the allocator's history (LoRA's many small tensors showed +17% that way).
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
-                          cwd=Path(__file__).resolve().parents[1], env=env)
-    return json.loads(done.stdout.strip().splitlines()[-1])
+def model_state_bytes(model_dir: Path) -> int:
+    """5 fp32 copies of the parameters: weights, gradients, AdamW's two moments, the reference."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with __import__("torch").device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(model_dir)))
+    return 5 * 4 * sum(p.numel() for p in model.parameters())
 
 
-def summary(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+def measure(name: str, overrides: list[str], data: Path, work: Path, shape: list[str] = SHAPE) -> dict[str, Any]:
+    """One fresh `verl-hpc train` run: its process tree's peak RSS and its steps' seconds."""
+    run_dir = work / name
+    cmd = [sys.executable, "-m", "verl_hpc", "train", str(REPO / "configs" / "smollm2_gsm8k.yaml"),
+           "--run-dir", str(run_dir), f"model.path={SMOLLM2}", f"data.train_files=[{data}]", *shape, *overrides]
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
+    peak = [0]
+    with subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                          text=True) as popen:
+        watcher = threading.Thread(target=watch_peak, args=(popen, peak), daemon=True)
+        watcher.start()
+        _, err = popen.communicate(timeout=3600)
+        watcher.join()
+    if popen.returncode != 0:
+        return {"failed": f"exit {popen.returncode}: {err[-1500:]}"}
+    rows = read_metrics(run_dir)
+    return {"peak_rss_bytes": peak[0], "step_s": [r["timing_s/step"] for r in rows],
+            "rank_peak_rss_gb": max(r.get("memory/peak_rss_gb", 0.0) for r in rows),
+            "score": rows[-1].get("critic/score/mean")}
 
 
 def run(quick: bool = False, scratch: str | None = None) -> dict[str, Any]:
-    model = "tiny" if quick else "smollm2" if SMOLLM2.is_dir() else "small"
-    rows, prompt, response = (8, 8, 8) if quick else (32, 128, 64)
-    names = ["plain", "all"] if quick else list(SWITCHES)  # quick: every switch at once, a smoke test
-    steps = 1
-    # --quick measures in this process (a smoke test of the code, seconds in CI); a figure needs fresh ones.
-    run_one = (lambda *args: measure(*args)) if quick else (lambda *args: in_fresh_process("bench.memory", *args))
-    samples = {name: run_one(model, SWITCHES[name], rows, prompt, response, steps) for name in names}
-    plain = samples["plain"]
-    ratios = {}
-    for name in names[1:]:
-        ratios[f"peak_memory/{name}"] = summary([samples[name]["peak_rss_bytes"] / plain["peak_rss_bytes"]])
-        ratios[f"step_time/{name}"] = summary([samples[name]["step_seconds"] / plain["step_seconds"]])
-    # Peak against response length, every switch on: linear growth means each added token costs
-    # the same (increment ratio / length ratio near 1); the whole logits' softmax would not.
-    lengths = [8, 16, 32] if quick else [64, 256, 1024]
-    sweep = {str(n): run_one(model, SWITCHES["all"], 4 if quick else 8, prompt, n, 1) for n in lengths}
-    peaks = [sweep[str(n)]["peak_rss_bytes"] for n in lengths]
-    growth = ((peaks[2] - peaks[1]) / max(peaks[1] - peaks[0], 1)) / ((lengths[2] - lengths[1]) / (lengths[1] - lengths[0]))
-    ratios["length_growth/increment_vs_linear"] = summary([max(growth, 1e-6)])
-    return {"model": model, "rows": rows, "prompt": prompt, "response": response, "steps": steps,
-            "samples": samples, "ratios": ratios, "sweep": sweep, "lengths": lengths}
+    shape = QUICK_SHAPE if quick else SHAPE  # quick: a smoke test of the code at a toy shape
+    out: dict[str, Any] = {"quick": quick, "shape": shape, "variants": {}, "ratios": {}}
+    if not (SMOLLM2 / "config.json").exists():
+        out["skipped"] = SMOLLM2_MISSING
+        return out
+    bound = BOUND_FACTOR * model_state_bytes(SMOLLM2)
+    out["bound_bytes"] = bound
+    work = Path(tempfile.mkdtemp(prefix="verl_hpc_bench_memory_", dir=scratch))
+    try:
+        data = _gsm8k(work / "gsm8k")
+        chosen = os.environ.get("BENCH_MEMORY_VARIANTS")  # e.g. "all,all_lora_r16": a subset, faster
+        names = ["plain", "all"] if quick else chosen.split(",") if chosen else list(VARIANTS)
+        out["variants"] = {name: measure(name, VARIANTS[name], data, work, shape) for name in names}
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    plain = out["variants"].get("plain", {}).get("peak_rss_bytes")
+    for name, v in out["variants"].items():
+        if "peak_rss_bytes" in v:
+            out["ratios"][f"peak_vs_bound/{name}"] = single(_step_peak(v) / bound)
+            if plain and name != "plain":
+                out["ratios"][f"peak_vs_plain/{name}"] = single(_step_peak(v) / _step_peak(out["variants"]["plain"]))
+    return out
+
+
+def _step_peak(variant: dict[str, Any]) -> float:
+    """Bytes: the process's peak through its last step, before the final checkpoint."""
+    return variant["rank_peak_rss_gb"] * 2**30
 
 
 def table(result: dict[str, Any]) -> str:
-    plain = result["samples"]["plain"]
-    lines = [f"memory benchmark: {result['model']}, {result['rows']} rows of up to {result['prompt']} + "
-             f"{result['response']} tokens ({plain['real_tokens']} real of {plain['padded_tokens']} padded)",
-             f"{'variant':<15} {'peak RSS GiB':>13} {'x plain':>8} {'s/step':>8} {'x plain':>8}"]
-    for name, sample in result["samples"].items():
-        lines.append(f"{name:<15} {sample['peak_rss_bytes'] / 2**30:>13.2f} "
-                     f"{sample['peak_rss_bytes'] / plain['peak_rss_bytes']:>8.2f} {sample['step_seconds']:>8.2f} "
-                     f"{sample['step_seconds'] / plain['step_seconds']:>8.2f}")
-    lines.append("peak with every switch on, by response length: " + ", ".join(
-        f"{n}: {result['sweep'][str(n)]['peak_rss_bytes'] / 2**30:.2f} GiB" for n in result["lengths"]))
-    growth = result["ratios"]["length_growth/increment_vs_linear"]["median"]
-    lines.append(f"growth per added token, late vs early: {growth:.2f}x of linear")
-    best = min(s["peak_rss_bytes"] for s in result["samples"].values()) / plain["peak_rss_bytes"]
-    lines.append(f"target: some switch lowers the peak: {'met' if best < 1 else 'MISSED'} ({best:.2f}x at best)")
+    if result.get("skipped"):
+        return f"memory benchmark: whole GRPO step on SmolLM2-135M-Instruct: skipped: {result['skipped']}"
+    bound = result["bound_bytes"]
+    lines = [f"memory benchmark: whole GRPO step on SmolLM2-135M-Instruct, {' '.join(result['shape'][:3])}; peak RSS of the "
+             f"process tree; bound = {BOUND_FACTOR} x (weights + grads + AdamW + ref) = {bound / 1e9:.2f} GB",
+             f"{'variant':<24}{'step peak GB':>13}{'x bound':>9}{'x plain':>9}{'with save GB':>13}{'s/step':>9}"]
+    plain_v = result["variants"].get("plain", {})
+    plain = _step_peak(plain_v) if "peak_rss_bytes" in plain_v else None
+    for name, v in result["variants"].items():
+        if "failed" in v:
+            lines.append(f"{name:<24} failed: {v['failed'][-300:]}")
+            continue
+        peak = _step_peak(v)
+        vs_plain = f"{peak / plain:>9.2f}" if plain else f"{'-':>9}"
+        lines.append(f"{name:<24}{peak / 1e9:>13.2f}{peak / bound:>9.2f}{vs_plain}{v['peak_rss_bytes'] / 1e9:>13.2f}"
+                     f"{v['step_s'][-1]:>9.1f}")
+    best = min((_step_peak(v) for v in result["variants"].values() if "peak_rss_bytes" in v), default=None)
+    if best is not None:
+        lines.append(f"target: peak <= bound with the switches on: {'met' if best <= bound else 'MISSED'} "
+                     f"({best / bound:.2f}x at best)")
     return "\n".join(lines)

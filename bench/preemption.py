@@ -15,7 +15,7 @@ restart's excess over a cold start (an estimate: the difference of two noisy tim
 floored at 0). Work lost: steps completed before the exit minus the checkpoint's step.
 
 The baseline in the same run is that cold start: the ratio recovery / cold start says
-what a preemption costs beyond starting the job at all. Targets (issue 7): <= 30 s from
+what a preemption costs beyond starting the job at all. Targets: <= 30 s from
 signal to first step excluding the scheduler's wait, <= 1 step lost. The Slurm variant
 (a real preemption on the local cluster, with its requeue wait) is not part of this
 module: `python -m bench preemption --slurm` (bench/preemption_slurm.py), never in `all`.

@@ -1,21 +1,19 @@
-"""RL step throughput: verl-hpc's embedded GRPO step vs the raw floor vs TRL's GRPOTrainer.
+"""RL step throughput: verl-hpc's GRPO step vs the raw floor vs TRL's GRPOTrainer.
 
-Same model, prompts (the arithmetic task), group size, response length, batch and
-optimizer (AdamW, lr 1e-3, betas 0.9/0.999, no weight decay, grad clip 1.0, no KL/ref
-model) for all three, CPU, a fixed number of steps:
-
-- verl-hpc: `HybridTrainer.train()` on a config like configs/quickstart.yaml; each
-  `train_step` (generate, reward, advantages, PPO loss, backward, AdamW) is timed.
-- floor: what any GRPO step must at least do — one plain HF `generate` of the same
-  number of completions and one forward+backward+AdamW over the same tokens (a
-  REINFORCE-style loss, no clipping statistics, no metrics).
-- TRL: bench/trl_grpo.py in bench/.venv-trl (see bench/trl_env.sh), a separate process
-  that idles between its blocks. Skipped, with the reason in the result, if absent.
-
-The three alternate in blocks of `block` steps inside one run (a wrapper around the
-trainer's `train_step` runs the floor's and TRL's blocks between the project's), so a
-drift in machine load hits all of them alike. Reported: s/step of each, and the ratios
-verl-hpc / floor (target <= 1.1) and TRL / verl-hpc throughput (target >= 1.3).
+Same model, prompts (the arithmetic task), group size, response length, batch and optimizer
+(AdamW, lr 1e-3, no weight decay, grad clip 1.0, no KL/ref model) for all three, on CPU:
+- verl-hpc: `HybridTrainer.train()` on a config like configs/quickstart.yaml, each
+  `train_step` (generate, reward, advantages, PPO loss, backward, AdamW) timed;
+- floor: what any GRPO step must at least do — one plain HF `generate` of as many completions
+  and one forward+backward+AdamW over the same tokens (a REINFORCE-style loss, no metrics);
+- TRL: bench/trl_grpo.py in bench/.venv-trl (bench/trl_env.sh), a process that idles between
+  its blocks; skipped, with the reason in the result, where absent.
+They alternate in blocks of `block` steps inside one run (a wrapper around the trainer's
+`train_step` runs the others' blocks between the project's), so load drifts hit all alike.
+Targets: verl-hpc / floor <= 1.1, throughput vs TRL >= 1.3. The full run adds the overlapped
+step (split placement, `max_staleness: 1`): its throughput above the floor's, and vs TRL.
+`--model smollm2`: the same on SmolLM2-135M-Instruct (8 prompts x 4 samples x 64 new tokens,
+the memory switches a real model wants on); needs tools/make_smollm2.py's model, and minutes.
 """
 
 from __future__ import annotations
@@ -34,6 +32,7 @@ from typing import Any
 
 import torch
 
+from bench import REPO, SMOLLM2, SMOLLM2_MISSING, read_metrics, summary
 from verl_hpc.config.loader import apply_overrides
 from verl_hpc.data.tasks.arithmetic import make_examples
 
@@ -62,6 +61,12 @@ class Shape:
 
 
 TINY = Shape()
+SMOLLM2_SHAPE = Shape(prompts=8, n=4, new_tokens=64, threads=int(os.environ.get("BENCH_SMOLLM2_THREADS", "2")))
+SMOLLM2_REPS = int(os.environ.get("BENCH_SMOLLM2_REPS", "3"))
+# "step": the interleaved synchronous step; "overlap": split placement with max_staleness 1, one
+# thread per process, against the floor and TRL given both cores.
+SMOLLM2_PARTS = os.environ.get("BENCH_SMOLLM2_PARTS", "step,overlap").split(",")
+SMOLLM2_OVERRIDES = ["model.remove_padding=true"]  # beyond the defaults (docs/memory.md)
 
 
 def _config(model_dir: Path, init_preset: str | None, total_steps: int, shape: Shape = TINY,
@@ -158,9 +163,19 @@ class TRLProcess:
 
 def trl_unavailable() -> str | None:
     """Why TRL cannot be measured here, or None."""
-    if not TRL_PYTHON.exists():
-        return f"{TRL_PYTHON} missing: run `bash bench/trl_env.sh` (TRL is not a project dependency)"
-    return None
+    missing = f"{TRL_PYTHON} missing: run `bash bench/trl_env.sh` (TRL is not a project dependency)"
+    return None if TRL_PYTHON.exists() else missing
+
+
+def _model_and_prompts(preset: str, model_dir: Path | None) -> tuple[Path, bool, list[str], list[str]]:
+    """`model_dir`, or `preset`'s random model made here (then `made`); the task's prompts and answers."""
+    made = model_dir is None
+    if model_dir is None:
+        from verl_hpc.models.tiny import init_model
+
+        model_dir = init_model(Path.home() / ".cache" / "verl-hpc" / "models" / f"{preset}-seed0", preset=preset)
+    examples = make_examples(512, 4, 0)
+    return model_dir, made, [e["prompt"] for e in examples], [e["ground_truth"] for e in examples]
 
 
 def measure(preset: str, reps: int, block: int, with_trl: bool, work: Path, shape: Shape = TINY,
@@ -171,17 +186,10 @@ def measure(preset: str, reps: int, block: int, with_trl: bool, work: Path, shap
     """
     from verl_hpc import HybridTrainer
 
-    made = model_dir is None
-    model_dir = model_dir or Path.home() / ".cache" / "verl-hpc" / "models" / f"{preset}-seed0"
+    model_dir, made, prompts, answers = _model_and_prompts(preset, model_dir)
     total = block * (reps + 1)
     trainer = HybridTrainer(_config(model_dir, preset if made else None, total, shape, overrides),
                             run_dir=work / f"run-{preset}")
-    examples = make_examples(512, 4, 0)
-    prompts, answers = [e["prompt"] for e in examples], [e["ground_truth"] for e in examples]
-    if made:
-        from verl_hpc.models.tiny import init_model
-
-        init_model(model_dir, preset=preset, seed=0)
     floor = Floor(model_dir, prompts, shape)
     trl_reason = trl_unavailable() if with_trl else "not run in --quick mode"
     (work / f"trl-{preset}").mkdir(exist_ok=True)
@@ -227,12 +235,8 @@ def _phase_medians(rows: list[dict[str, float]]) -> dict[str, float]:
 
 def _split_run(preset: str | None, model_dir: Path, steps: int, run_dir: Path, shape: Shape = TINY,
                extra: list[str] | None = None) -> list[float]:
-    """verl-hpc's distributed runtime, split placement, `max_staleness: 1`: the trainer's s/step.
-
-    Actor, rollout and reward each in their own process (one thread each): generation of
-    step k+1 runs while step k trains. Start-up is outside the steps' timers. `preset`
-    None: `model_dir` is a real model, not a random one to make.
-    """
+    """The trainer's s/step of a split run with `max_staleness: 1` (actor, rollout, reward: a process
+    each, one thread each): step k+1 generates while step k trains. `preset` None: a real model."""
     init = [f"model.init_preset={preset}" if preset else "model.init_preset=null"]  # the config names one
     overrides = [f"model.path={model_dir}", *init, f"trainer.total_steps={steps}",
                  f"trainer.batch_size={shape.prompts * shape.n}", f"algorithm.sampling.n={shape.n}",
@@ -241,15 +245,13 @@ def _split_run(preset: str | None, model_dir: Path, steps: int, run_dir: Path, s
                  "resources.actor.device_ids=[0]", "resources.rollout.device_ids=[1]",
                  "resources.reward.device_ids=[2]", "trainer.save_hf_model=false", "logging.progress=off",
                  "trainer.actor_optim.grad_clip=1.0", f"trainer.actor_optim.lr={shape.lr}", *(extra or [])]
-    cmd = [sys.executable, "-m", "verl_hpc", "train", str(HERE.parent / "configs" / "quickstart_split.yaml"),
+    cmd = [sys.executable, "-m", "verl_hpc", "train", str(REPO / "configs" / "quickstart_split.yaml"),
            "--run-dir", str(run_dir), *overrides]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800,
                           env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
     if proc.returncode != 0:
         raise RuntimeError(f"split run failed ({proc.returncode}): {proc.stderr[-2000:]}")
-    from verl_hpc.metrics.tensorboard import read_jsonl_metrics
-
-    return [r["timing_s/step"] for r in read_jsonl_metrics(run_dir / "tensorboard" / "metrics.jsonl")]
+    return [r["timing_s/step"] for r in read_metrics(run_dir)]
 
 
 def measure_overlap(preset: str, reps: int, steps: int, work: Path, with_trl: bool = True,
@@ -263,15 +265,8 @@ def measure_overlap(preset: str, reps: int, steps: int, work: Path, with_trl: bo
     comparison does not hand the project more hardware than its baseline. `model_dir`: a
     real model (SmolLM2) instead of `preset`'s random one; the floor takes `shape.threads`.
     """
-    from verl_hpc.models.tiny import init_model
-
     torch.set_num_threads(shape.threads)
-    made = model_dir is None
-    model_dir = model_dir or Path.home() / ".cache" / "verl-hpc" / "models" / f"{preset}-seed0"
-    if made:
-        init_model(model_dir, preset=preset, seed=0)
-    examples = make_examples(512, 4, 0)
-    prompts, answers = [e["prompt"] for e in examples], [e["ground_truth"] for e in examples]
+    model_dir, made, prompts, answers = _model_and_prompts(preset, model_dir)
     floor = Floor(model_dir, prompts, shape)
     floor.step()  # warm-up
     trl_reason = trl_unavailable() if with_trl else "not asked for"
@@ -298,31 +293,31 @@ def measure_overlap(preset: str, reps: int, steps: int, work: Path, with_trl: bo
     for name in trls:
         ratios[f"throughput_overlapped_vs_{name}"] = [t / o for t, o in zip(times[name], times["overlapped"],
                                                                             strict=True)]
-    return {"preset": preset, "trl_skipped": trl_reason, "floor_s": _summary(times["floor"]),
-            "overlapped_s": _summary(times["overlapped"]), "raw": times,
-            **{f"{name}_s": _summary(times[name]) for name in trls},
-            "ratios": {k: _summary(v) for k, v in ratios.items()}}
-
-
-def _summary(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+    return {"preset": preset, "trl_skipped": trl_reason, "floor_s": summary(times["floor"]),
+            "overlapped_s": summary(times["overlapped"]), "raw": times,
+            **{f"{name}_s": summary(times[name]) for name in trls},
+            "ratios": {k: summary(v) for k, v in ratios.items()}}
 
 
 def _summarise(preset: str, params: int, times: dict[str, list[list[float]]], trl_reason: str | None) -> dict:
     """Per-block medians (block 0 dropped as warm-up), then ratios of paired blocks."""
     per_block = {k: [statistics.median(b) for b in v[1:]] for k, v in times.items() if v}
     out: dict[str, Any] = {"preset": preset, "params": params, "trl_skipped": trl_reason,
-                           "step_s": {k: _summary(v) for k, v in per_block.items()}, "raw": times}
+                           "step_s": {k: summary(v) for k, v in per_block.items()}, "raw": times}
     ratios = {"verl_hpc_vs_floor": [v / f for v, f in zip(per_block["verl_hpc"], per_block["floor"], strict=True)]}
     if "trl" in per_block:
         ratios["throughput_verl_hpc_vs_trl"] = [t / v for v, t in zip(per_block["verl_hpc"], per_block["trl"],
                                                                       strict=True)]
         ratios["trl_vs_floor"] = [t / f for t, f in zip(per_block["trl"], per_block["floor"], strict=True)]
-    out["ratios"] = {k: _summary(v) for k, v in ratios.items()}
+    out["ratios"] = {k: summary(v) for k, v in ratios.items()}
     return out
 
 
-def run(quick: bool = False, scratch: str | None = None) -> dict[str, Any]:
+def run(quick: bool = False, scratch: str | None = None, model: str | None = None) -> dict[str, Any]:
+    """The tiny and small random models; `model="smollm2"`: the real model instead."""
+    targets = {"verl_hpc_vs_floor": FLOOR_TARGET, "throughput_verl_hpc_vs_trl": TRL_TARGET}
+    if model == "smollm2":
+        return {"quick": quick, "targets": targets, **_run_smollm2(quick, scratch)}
     work = Path(tempfile.mkdtemp(prefix="verl_hpc_bench_step_", dir=scratch))
     try:
         if quick:
@@ -334,14 +329,35 @@ def run(quick: bool = False, scratch: str | None = None) -> dict[str, Any]:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     ratios = {f"{k}_{c['preset']}": v for c in [*cases, *overlap] for k, v in c["ratios"].items()}
-    return {"quick": quick, "setup": TINY.setup(),
-            "targets": {"verl_hpc_vs_floor": FLOOR_TARGET, "throughput_verl_hpc_vs_trl": TRL_TARGET},
-            "cases": cases, "overlap": overlap, "ratios": ratios}
+    return {"quick": quick, "setup": TINY.setup(), "targets": targets, "cases": cases, "overlap": overlap,
+            "ratios": ratios}
+
+
+def _run_smollm2(quick: bool, scratch: str | None) -> dict[str, Any]:
+    out: dict[str, Any] = {"setup": {**SMOLLM2_SHAPE.setup(), "model": str(SMOLLM2)}, "cases": [], "overlap": [],
+                           "ratios": {}}
+    if not (SMOLLM2 / "config.json").exists():
+        return {**out, "skipped": SMOLLM2_MISSING}
+    work = Path(tempfile.mkdtemp(prefix="verl_hpc_bench_step_smollm2_", dir=scratch))
+    try:
+        if quick or "step" in SMOLLM2_PARTS:
+            out["cases"] = [measure("smollm2", reps=1 if quick else SMOLLM2_REPS, block=1, with_trl=not quick,
+                                    work=work, shape=SMOLLM2_SHAPE, model_dir=SMOLLM2, overrides=SMOLLM2_OVERRIDES)]
+        if not quick and "overlap" in SMOLLM2_PARTS:
+            out["overlap"] = [measure_overlap("smollm2", 2, 3, work, model_dir=SMOLLM2, shape=SMOLLM2_SHAPE,
+                                              extra=SMOLLM2_OVERRIDES, trl_threads=(("trl_2threads", 2),))]
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    out["ratios"] = {f"{k}_smollm2": v for c in [*out["cases"], *out["overlap"]] for k, v in c["ratios"].items()}
+    return out
 
 
 def table(result: dict[str, Any]) -> str:
     s = result["setup"]
-    lines = [f"RL step benchmark: {s['prompts']} prompts x {s['n']} samples x {s['max_new_tokens']} tokens, "
+    if result.get("skipped"):
+        return f"RL step benchmark (SmolLM2-135M-Instruct): skipped: {result['skipped']}"
+    name = " (SmolLM2-135M-Instruct)" if "model" in s else ""
+    lines = [f"RL step benchmark{name}: {s['prompts']} prompts x {s['n']} samples x {s['max_new_tokens']} tokens, "
              f"AdamW lr {s['lr']}, {s['threads']} threads; s/step median over blocks (min-max)",
              f"{'model':<7}{'params':>8}{'verl-hpc s':>12}{'floor s':>10}{'TRL s':>9}  ratios"]
     for c in result["cases"]:
@@ -359,6 +375,8 @@ def table(result: dict[str, Any]) -> str:
             lines.append(f"{'':<27}{key:<30}{r['median']:>6.2f} ({r['min']:.2f}-{r['max']:.2f}){verdict}")
         if c["trl_skipped"]:
             lines.append(f"{'':<27}TRL skipped: {c['trl_skipped']}")
+        for side, row in c.get("phases_s", {}).items() if "model" in s else ():
+            lines.append(f"  {side} phases (median s): " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()))
     lines += overlap_lines(result.get("overlap", []))
     return "\n".join(lines)
 

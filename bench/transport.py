@@ -2,26 +2,26 @@
 
 Project: `RolloutFlightClient.put(batch)` into a `RolloutFlightServer` on loopback, then
 `server.get()` — authenticated, numbered, schema-checked, deduplicated, acknowledged:
-everything a run pays to move one rollout batch from a worker to the trainer. Two
-routes, as a run takes them: "flight", the client's one open `do_exchange` stream (a
-producer on another node), and "local", the Unix socket a producer on the trainer's own
-node uses (`data/transport/local.py`), same client, same server.
-Baseline: the same number of bytes (the batch's Arrow IPC stream) sent with `sendall`
-over one persistent loopback TCP connection to a thread that `recv_into`s a buffer and
-answers one acknowledgement byte — the floor any transport on this host can reach.
+everything a run pays to move one rollout batch from a worker to the trainer. Two routes, as
+a run takes them: "flight", the client's one open `do_exchange` stream (a producer on another
+node), and "local", the Unix socket a producer on the trainer's own node uses (same client,
+same server). Baseline: the same number of bytes (the batch's Arrow IPC stream) sent with
+`sendall` over one persistent loopback TCP connection to a thread that `recv_into`s a buffer
+and answers one acknowledgement byte — the floor any transport on this host can reach.
 
-Both sides keep their connection open across repetitions (a run's workers do too) and
-wait for the receiver's acknowledgement, so each time is "sent and known delivered".
-Small batches repeat several transfers per timing (`transfers_per_rep`: up to 256, ~64 MB a
-timing) so each timing is a steady stream, not a burst: with 32 transfers (2 ms at 64 KB)
-the raw socket's time swung 3x between sittings, because a short burst catches the VM's
-idle vCPUs waking up; with 256 it settles and the ratios repeat within a few hundredths.
-Reported per size: throughput ratio = raw time / route time (median, min-max over
-alternating repetitions). Targets (issue 19): >= 0.8 from 1 MB, >= 0.5 at 64 KB.
+Measured twice: in one process (the producer a thread of the trainer's process), and across
+processes (a producer process puts, the trainer process takes, a consumer thread draining its
+buffer as the trainer does) — the second is what a run does: a rollout rank is a process.
+Both sides keep their connection open and wait for the acknowledgement, so each time is "sent
+and known delivered". Small batches repeat several transfers per timing (`transfers_per_rep`:
+up to 256, ~64 MB a timing) so each timing is a steady stream, not a burst that catches the
+VM's idle vCPUs waking up. Reported per size: throughput ratio = raw time / route time
+(median, min-max over alternating repetitions). Targets: >= 0.8 from 1 MB, >= 0.5 below.
 """
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import socket
 import statistics
 import struct
@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
+from bench import summary
 from verl_hpc.data.rollout_batch import RolloutBatch
 from verl_hpc.data.transport.flight import RolloutFlightClient, RolloutFlightServer
 
@@ -139,10 +140,6 @@ def _time_raw(raw: RawLoopback, payload: bytes, transfers: int) -> float:
     return time.perf_counter() - start
 
 
-def _summary(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
 def transfers_per_rep(nbytes: int) -> int:
     """How many puts one timing holds: ~64 MB of batches, at most 256 and at least one."""
     return max(1, min(256, (64 << 20) // nbytes))
@@ -176,12 +173,12 @@ def measure_size(nbytes: int, reps: int) -> dict[str, Any]:
         server.shutdown()
         raw.close()
     row: dict[str, Any] = {"bytes": len(payload), "rows": len(batch), "transfers_per_rep": transfers,
-                           "raw_s": _summary(times["raw"]),
+                           "raw_s": summary(times["raw"]),
                            "raw_mb_s": len(payload) / statistics.median(times["raw"]) / 1e6}
     for route in ("flight", "local"):
-        row[f"{route}_s"] = _summary(times[route])
+        row[f"{route}_s"] = summary(times[route])
         row[f"{route}_mb_s"] = len(payload) / statistics.median(times[route]) / 1e6
-        row[f"{route}_ratio"] = _summary([r / t for r, t in zip(times["raw"], times[route], strict=True)])
+        row[f"{route}_ratio"] = summary([r / t for r, t in zip(times["raw"], times[route], strict=True)])
     row["ratio"] = row["flight_ratio"]  # the name older results used
     return row
 
@@ -190,17 +187,80 @@ def target(nbytes: int) -> float:
     return SMALL_TARGET if nbytes < SMALL_BELOW else TARGET
 
 
+def _producer(location: str, local_location: str, raw_port: int, nbytes: int, reps: int, transfers: int,
+              out: Any) -> None:
+    """The producer process: alternate the two routes and the raw socket; send back seconds per transfer."""
+    batch = make_batch(nbytes)
+    payload = ipc_bytes(batch)
+    clients = {"flight": RolloutFlightClient(location, "bench", "procs-flight"),
+               "local": RolloutFlightClient(location, "bench", "procs-local", local_location=local_location)}
+    raw = RawLoopback.connect_to(raw_port)
+    sends = {**{name: (lambda c=client: c.put(batch)) for name, client in clients.items()},
+             "raw": lambda: raw.send(payload)}
+    times: dict[str, list[float]] = {name: [] for name in sends}
+    try:
+        for rep in range(reps + 1):  # rep 0 warms up every path and is dropped
+            n = transfers if rep else 1
+            for name, send in sends.items():
+                start = time.perf_counter()
+                for _ in range(n):
+                    send()
+                if rep:
+                    times[name].append((time.perf_counter() - start) / n)
+        out.send({"times": times, "same_node": clients["local"].same_node, "bytes": len(payload), "rows": len(batch)})
+    finally:
+        for client in clients.values():
+            client.close()
+        raw.close()
+
+
+def measure_across_processes(nbytes: int, reps: int) -> dict[str, Any]:
+    """One size, the producer in a process of its own and the trainer's consumer thread taking throughout."""
+    server = RolloutFlightServer(token="bench", capacity=2, local=True)
+    raw = RawLoopback(nbytes * 2, connect=False)
+    stop = threading.Event()
+
+    def consume() -> None:
+        while not stop.is_set():
+            try:
+                server.get(timeout=0.2)
+            except (TimeoutError, RuntimeError):
+                continue
+
+    consumer = threading.Thread(target=consume, daemon=True)
+    consumer.start()
+    ctx = mp.get_context("spawn")
+    parent_end, child_end = ctx.Pipe()
+    child = ctx.Process(target=_producer, args=(server.location, server.local_location, raw.port, nbytes, reps,
+                                                transfers_per_rep(nbytes), child_end))
+    try:
+        child.start()
+        result = parent_end.recv()
+        child.join(timeout=60)
+    finally:
+        stop.set()
+        consumer.join(timeout=5)
+        server.shutdown()
+        raw.close()
+    if not result["same_node"]:
+        raise RuntimeError("the producer did not take the same-node socket (VERL_HPC_ROLLOUT_LOCAL=0?)")
+    times = result["times"]
+    row: dict[str, Any] = {"bytes": result["bytes"], "rows": result["rows"],
+                           "raw_mb_s": result["bytes"] / statistics.median(times["raw"]) / 1e6}
+    for route in ("flight", "local"):
+        row[f"{route}_ratio"] = summary([r / t for r, t in zip(times["raw"], times[route], strict=True)])
+        row[f"{route}_mb_s"] = result["bytes"] / statistics.median(times[route]) / 1e6
+    return row
+
+
 def run(quick: bool = False, scratch: str | None = None) -> dict[str, Any]:
     # 15 full repetitions: a run takes ~20 s, and on a shared 2-core host a 7-rep median moved by 0.3
     sizes, reps = (QUICK_SIZES, 3) if quick else (FULL_SIZES, 15)
     rows = [measure_size(size, reps if size < (64 << 20) else max(3, reps - 2)) for size in sizes]
-    from bench import transport_procs
-
-    procs = transport_procs.measure(sizes, reps)
-    ratios = {f"{route}_vs_raw_{_label(r['bytes'])}": r[f"{route}_ratio"] for r in rows for route in ("flight", "local")}
-    ratios.update({f"{route}_vs_raw_{_label(r['bytes'])}_across_processes": r[f"{route}_ratio"]
-                   for r in procs for route in ("flight", "local", *transport_procs.FLOOR_MODES)})
-    ratios.update({f"local_vs_floor_{_label(r['bytes'])}_across_processes": r["local_vs_floor"] for r in procs})
+    procs = [measure_across_processes(size, reps) for size in sizes]
+    ratios = {f"{route}_vs_raw_{_label(r['bytes'])}{suffix}": r[f"{route}_ratio"]
+              for suffix, table_rows in (("", rows), ("_across_processes", procs))
+              for r in table_rows for route in ("flight", "local")}
     return {"quick": quick, "reps": reps, "target": TARGET, "small_target": SMALL_TARGET, "sizes": rows,
             "across_processes": procs, "ratios": ratios}
 
@@ -209,20 +269,21 @@ def _label(nbytes: int) -> str:
     return f"{nbytes / (1 << 20):.0f}MB" if nbytes >= (1 << 20) else f"{nbytes >> 10}KB"
 
 
-def table(result: dict[str, Any]) -> str:
-    lines = [f"transport benchmark: put+get over Flight and over the same-node socket vs a raw loopback socket, "
-             f"{result['reps']} alternating reps",
-             "in one process (the producer is a thread of the trainer's process):",
-             f"{'batch (IPC bytes)':<18}{'rows':>6}{'raw MB/s':>10}{'Flight MB/s':>12}{'ratio':>7}"
+def _rows(rows: list[dict[str, Any]]) -> list[str]:
+    lines = [f"{'batch (IPC bytes)':<18}{'rows':>6}{'raw MB/s':>10}{'Flight MB/s':>12}{'ratio':>7}"
              f"{'local MB/s':>11}{'ratio':>7}{'min':>6}{'max':>6}  target (local)"]
-    for row in result["sizes"]:
+    for row in rows:
         flight_r, local_r, goal = row["flight_ratio"], row["local_ratio"], target(row["bytes"])
         ok = "met" if local_r["median"] >= goal else "MISSED"
         lines.append(f"{_label(row['bytes']):<18}{row['rows']:>6}{row['raw_mb_s']:>10.0f}{row['flight_mb_s']:>12.0f}"
                      f"{flight_r['median']:>7.2f}{row['local_mb_s']:>11.0f}{local_r['median']:>7.2f}"
                      f"{local_r['min']:>6.2f}{local_r['max']:>6.2f}  >= {goal} {ok}")
-    if result.get("across_processes"):
-        from bench import transport_procs
+    return lines
 
-        lines += transport_procs.table_lines(result["across_processes"], target)
-    return "\n".join(lines)
+
+def table(result: dict[str, Any]) -> str:
+    return "\n".join([f"transport benchmark: put+get over Flight and over the same-node socket vs a raw loopback "
+                      f"socket, {result['reps']} alternating reps",
+                      "in one process (the producer is a thread of the trainer's process):", *_rows(result["sizes"]),
+                      "across processes (a producer process puts, the trainer process takes):",
+                      *_rows(result.get("across_processes", []))])

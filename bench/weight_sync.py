@@ -23,11 +23,19 @@ weights are ready when it returns).
 Reported: time ratio = project / plain (median, min-max). Target <= 1.3.
 The receiver's weights are checked equal to the sender's after the project's sync, so a
 fast but wrong sync cannot pass.
+
+Fan-out, R rollout ranks (R + 1 processes): the runtime's chain (`broadcast_weights` with the
+relay of roles/weight_relay.py) vs the same bucketed sync down gloo's binomial tree vs one plain
+broadcast. Time: the slowest receiver's. Bytes: what rank 0's sockets put on the wire, counted by
+the kernel (utils/wire_count.py), over the model's bytes — it must stay 1 as R grows. Targets:
+chain <= 1.3x plain for every R, rank 0's bytes 1x the model.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -39,10 +47,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from bench import summary
 from verl_hpc.models.tiny import PRESETS, build_model
 from verl_hpc.roles.fsdp import full_tensor, shard_model
 from verl_hpc.roles.rollout.hf import HFRolloutEngine
 from verl_hpc.roles.shard_sync import ShardLinks, ShardReceiver, send_shards
+from verl_hpc.roles.weight_relay import chain_links, relay_for
 from verl_hpc.roles.weight_sender import flatten_sender
 from verl_hpc.roles.weight_sync import (
     DEFAULT_BUCKET_BYTES,
@@ -55,8 +65,10 @@ from verl_hpc.roles.weight_sync import (
     send_plan,
 )
 from verl_hpc.utils.proc import exit_now
+from verl_hpc.utils.wire_count import tcp_bytes_sent
 
 TARGET = 1.3
+FANOUT_METHODS = ("chain", "tree", "plain")
 
 
 def _worker(rank: int, init_file: str, preset: str, reps: int, bucket_bytes: int, sender: str,
@@ -128,10 +140,6 @@ def _check(model: torch.nn.Module, engine: HFRolloutEngine | None, numel: int, r
     dist.barrier()  # no rank tears gloo down while another still uses it
 
 
-def _summary(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
 def measure(preset: str, reps: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
             sender: str = "runtime") -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="verl_hpc_bench_ws_") as tmp:
@@ -143,8 +151,73 @@ def measure(preset: str, reps: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     ratios = [r["project_s"] / r["plain_s"] for r in rows]
     return {"preset": preset, "sender": sender,
             "params": data["params"], "bytes": data["bytes"], "bucket_bytes": bucket_bytes,
-            "weights_equal": data["weights_equal"], "project_s": _summary([r["project_s"] for r in rows]),
-            "plain_s": _summary([r["plain_s"] for r in rows]), "ratio": _summary(ratios), "rows": rows}
+            "weights_equal": data["weights_equal"], "project_s": summary([r["project_s"] for r in rows]),
+            "plain_s": summary([r["plain_s"] for r in rows]), "ratio": summary(ratios), "rows": rows}
+
+
+def _digest(model: torch.nn.Module) -> str:
+    return hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
+
+
+def _fanout_one(method: str, model: torch.nn.Module, flat: torch.Tensor, relay: Any, rank: int, rep: int) -> None:
+    if method == "plain":
+        dist.broadcast(flat, src=0)
+    else:
+        broadcast_weights(model, dist.group.WORLD, 0, rep, rank == 0, DEFAULT_BUCKET_BYTES,
+                          relay=relay if method == "chain" else None)
+
+
+def _fanout_worker(rank: int, world: int, init_file: str, preset: str, reps: int, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        links = chain_links(0, list(range(1, world)))
+        relay = relay_for(rank, links, [dist.new_group(ranks=pair) for pair in links])
+        spec = PRESETS[preset]
+        model = build_model(spec, spec.vocab_size, pad_id=0, eos_id=1, seed=0 if rank == 0 else rank)
+        if rank == 0:
+            flatten_sender(model)
+        flat = torch.randn(sum(p.numel() for p in model.parameters()))
+        counting = shutil.which("ss") is not None  # no iproute2: times only
+        rows: list[dict[str, float]] = []
+        for rep in range(reps + 1):  # rep 0 warms every path up and is dropped
+            row: dict[str, float] = {}
+            for method in FANOUT_METHODS[rep % 3:] + FANOUT_METHODS[:rep % 3]:
+                dist.barrier()
+                sent = tcp_bytes_sent(os.getpid()) if counting else 0
+                start = time.perf_counter()
+                _fanout_one(method, model, flat, relay, rank, rep)
+                elapsed = torch.tensor([time.perf_counter() - start])
+                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+                row[f"{method}_s"] = float(elapsed)
+                row[f"{method}_bytes"] = tcp_bytes_sent(os.getpid()) - sent if counting else float("nan")
+            if rep:
+                rows.append(row)
+        digests: list[Any] = [None] * world
+        dist.all_gather_object(digests, _digest(model))
+        if rank == 0:
+            torch.save({"rows": rows, "bytes": flat.numel() * 4, "weights_equal": len(set(digests)) == 1}, out)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    exit_now(0)  # done and written: no teardown abort (verl_hpc/utils/proc.py)
+
+
+def measure_fanout(preset: str, receivers: int, reps: int) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="verl_hpc_bench_fanout_") as tmp:
+        out = os.path.join(tmp, "result.pt")
+        mp.spawn(_fanout_worker, args=(receivers + 1, os.path.join(tmp, "init"), preset, reps, out),
+                 nprocs=receivers + 1, join=True)
+        data = torch.load(Path(out))
+    rows, nbytes = data["rows"], data["bytes"]
+    case: dict[str, Any] = {"preset": preset, "receivers": receivers, "bytes": nbytes,
+                            "weights_equal": data["weights_equal"], "rows": rows}
+    for method in FANOUT_METHODS:
+        case[f"{method}_s"] = summary([r[f"{method}_s"] for r in rows])
+        case[f"{method}_rank0_wire_x"] = statistics.median(r[f"{method}_bytes"] for r in rows) / nbytes
+    for method in ("chain", "tree"):
+        case[f"{method}_ratio"] = summary([r[f"{method}_s"] / r["plain_s"] for r in rows])
+    return case
 
 
 def _key(case: dict[str, Any]) -> str:
@@ -157,7 +230,11 @@ def run(quick: bool = False, scratch: str | None = None) -> dict[str, Any]:
              measure("tiny", 3, sender="direct")] if quick \
         else [measure("tiny", 9), measure("small", 15), measure("small", 15, sender="packed"),
               measure("small", 9, sender="fsdp"), measure("small", 9, sender="direct")]
-    return {"quick": quick, "target": TARGET, "cases": cases, "ratios": {_key(c): c["ratio"] for c in cases}}
+    fanout = [measure_fanout("tiny", r, 3) for r in (1, 2)] if quick else [measure_fanout("small", r, 5) for r in (1, 2, 4)]
+    ratios = {_key(c): c["ratio"] for c in cases}
+    ratios.update({f"{m}_vs_plain_{c['preset']}_r{c['receivers']}": c[f"{m}_ratio"] for c in fanout
+                   for m in ("chain", "tree")})
+    return {"quick": quick, "target": TARGET, "cases": cases, "fanout": fanout, "ratios": ratios}
 
 
 def table(result: dict[str, Any]) -> str:
@@ -171,4 +248,18 @@ def table(result: dict[str, Any]) -> str:
         lines.append(f"{c['preset']:<8}{c['sender']:>11}{c['params'] / 1e6:>8.2f}M"
                      f"{c['bytes'] / 1e6:>7.1f}{c['project_s']['median']:>11.4f}{c['plain_s']['median']:>10.4f}"
                      f"{r['median']:>8.2f}{r['min']:>7.2f}{r['max']:>7.2f}  <= {TARGET} {ok}  {c['weights_equal']}")
-    return "\n".join(lines)
+    return "\n".join(lines + _fanout_lines(result.get("fanout", [])))
+
+
+def _fanout_lines(cases: list[dict[str, Any]]) -> list[str]:
+    lines = ["fan-out: the chain vs gloo's broadcast tree vs one plain broadcast (gloo, R + 1 processes)",
+             f"{'model':<7}{'R':>3}{'MB':>7}{'plain s':>9}{'chain s':>9}{'tree s':>9}{'chain/plain':>12}"
+             f"{'tree/plain':>11}  rank-0 bytes / model: chain, tree, plain   target  equal"]
+    for c in cases:
+        ratio = c["chain_ratio"]["median"]
+        ok = "met" if ratio <= TARGET else "MISSED"
+        lines.append(f"{c['preset']:<7}{c['receivers']:>3}{c['bytes'] / 1e6:>7.1f}{c['plain_s']['median']:>9.4f}"
+                     f"{c['chain_s']['median']:>9.4f}{c['tree_s']['median']:>9.4f}{ratio:>12.2f}"
+                     f"{c['tree_ratio']['median']:>11.2f}  {c['chain_rank0_wire_x']:>5.2f} {c['tree_rank0_wire_x']:>5.2f} "
+                     f"{c['plain_rank0_wire_x']:>5.2f}{'':>19}<= {TARGET} {ok}  {c['weights_equal']}")
+    return lines

@@ -63,8 +63,7 @@ def test_bench_tables_name_targets(quick_run: tuple[subprocess.CompletedProcess,
     proc, _ = quick_run
     assert proc.returncode == 0, proc.stderr[-3000:]
     for header in ("checkpoint benchmark:", "transport benchmark:", "weight sync benchmark:", "RL step benchmark:",
-                   "scaling benchmark:", "placement benchmark:", "preemption benchmark:", "Preset step cost:",
-                   "memory benchmark:"):
+                   "preemption benchmark:", "memory benchmark:"):
         assert header in proc.stdout
     assert proc.stdout.count(" met") + proc.stdout.count(" MISSED") >= len(BENCHMARKS)
 
@@ -89,14 +88,15 @@ def test_model_flag_picks_the_real_model_variant(capsys: pytest.CaptureFixture[s
     assert "--model smollm2 goes with: step" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("module", ["bench.step_smollm2", "bench.step_memory"])
+@pytest.mark.parametrize(("module", "options"), [("bench.step", {"model": "smollm2"}), ("bench.memory", {})])
 def test_a_smollm2_benchmark_without_the_model_is_skipped_with_the_fix(monkeypatch: pytest.MonkeyPatch,
-                                                                         tmp_path: Path, module: str) -> None:
+                                                                         tmp_path: Path, module: str,
+                                                                         options: dict[str, str]) -> None:
     import importlib
 
     bench_module = importlib.import_module(module)
     monkeypatch.setattr(bench_module, "SMOLLM2", tmp_path / "absent")
-    result = bench_module.run(quick=True)
+    result = bench_module.run(quick=True, **options)
     assert "tools/make_smollm2.py" in result["skipped"]
     assert bench_module.table(result).endswith(result["skipped"])
 
@@ -104,7 +104,7 @@ def test_a_smollm2_benchmark_without_the_model_is_skipped_with_the_fix(monkeypat
 def test_model_state_bound_counts_five_fp32_copies(tiny_model_dir: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    from bench.step_memory import model_state_bytes
+    from bench.memory import model_state_bytes
 
     params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(str(tiny_model_dir)).parameters())
     assert model_state_bytes(tiny_model_dir) == 5 * 4 * params
@@ -112,10 +112,10 @@ def test_model_state_bound_counts_five_fp32_copies(tiny_model_dir: Path) -> None
 
 @pytest.mark.slow
 def test_step_memory_measures_whole_smollm2_steps(tmp_path: Path) -> None:
-    """`bench step_memory --quick`: two real `verl-hpc train` runs of SmolLM2, their peaks read back."""
+    """`bench memory --quick`: two real `verl-hpc train` runs of SmolLM2, their peaks read back."""
     import importlib.util
 
-    import bench.step_memory as step_memory
+    import bench.memory as step_memory
 
     spec = importlib.util.spec_from_file_location("make_smollm2", REPO / "tools" / "make_smollm2.py")
     maker = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
@@ -130,26 +130,3 @@ def test_step_memory_measures_whole_smollm2_steps(tmp_path: Path) -> None:
         assert variant["peak_rss_bytes"] >= variant["rank_peak_rss_gb"] * 2**30 * 0.9
         assert len(variant["step_s"]) == 2
     assert "target: peak <= bound" in step_memory.table(result)
-
-
-@pytest.mark.parametrize("mode", ["unix", "floor"])
-def test_the_transport_floor_receivers_take_every_put(mode: str) -> None:
-    """The floor's receivers answer each put once its bytes are read ("floor": and queued for the
-    consumer thread, which takes every one), and leave nothing behind in /dev/shm."""
-    import time
-
-    from bench.transport_floor import FloorReceiver, FloorSender
-
-    receiver = FloorReceiver(mode)
-    sender = FloorSender(receiver.path)
-    for size in (1, 64 << 10, 1 << 20):
-        sender.send(bytes(size))
-    deadline = time.monotonic() + 5
-    while mode == "floor" and receiver.taken < 3 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert receiver.taken == (3 if mode == "floor" else 0)
-    sender.close()
-    receiver.close()
-    assert not os.path.exists(os.path.dirname(receiver.path))
-    with pytest.raises(ValueError, match="mode must be one of"):
-        FloorReceiver("tcp")

@@ -35,7 +35,7 @@ def test_placement_trains_and_learns(placement: str, tmp_path: Path, tiny_model_
 
 
 def test_ppo_with_every_role_on_its_own_devices_learns(tmp_path: Path, tiny_model_dir: Path) -> None:
-    """The seeds' central promise: FSDP actor on A, FSDP critic on B, rollout on C, reward on D."""
+    """Every role on processes of its own: FSDP actor on A, FSDP critic on B, rollout on C, reward on D."""
     from tests.conftest import run_cli
 
     run_dir = tmp_path / "run"
@@ -124,7 +124,7 @@ def test_max_staleness_one_overlaps_generation_with_training(tmp_path: Path, tin
     rollout_rows = read_jsonl_metrics(run_dir / "tensorboard" / "rollout_rank2" / "metrics.jsonl")
     # The rollout side's own record: step s was generated from the weights of step s - 2.
     assert [r["rollout/policy_version"] for r in rollout_rows] == [float(max(0, r["step"] - 2)) for r in rollout_rows]
-    # How much of the generation time that hides is measured by `bench step_overlap` (a
+    # How much of the generation time that hides is measured by `bench step`'s overlapped part (a
     # wall-clock ratio: benchmarks, not tests, assert speed).
     first, last = window_means([r["critic/score/mean"] for r in rows])
     assert last > first + 0.2, (first, last)

@@ -1,4 +1,4 @@
-"""The soak benchmark: its fit on known samples, and the quick soak (300 steps, one process and split) in CI."""
+"""The leak soak (tests/soak.py): its fit on known samples, and the quick soak (300 steps, one process and split)."""
 
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from bench import soak
+from tests import soak
 
 # The quick soak fits ~150 steps after warm-up, where five processes' allocators still grow in
 # arena-sized jumps: split measured 30 and 47 MB per 1,000 steps there (one process: 5 and 25),
-# while 2,000 steps gave 6.8 (split) and 2.7: warm-up, not a leak. So the bench's 50 MB target
+# while 2,000 steps gave 6.8 (split) and 2.7: warm-up, not a leak. So the long soak's 50 MB target
 # would flake here; 100 MB per 1,000 steps still catches any leak of a tensor per step (one
 # step's logits of the tiny model are ~1 MB: 1,000 MB per 1,000 steps).
 CI_SLOPE_MB = 100.0
@@ -55,12 +55,3 @@ def test_quick_soak_does_not_leak(tmp_path: Path) -> None:
         assert met["fds_stable"] and met["threads_stable"] and met["children_stable"], (case["name"], case["ranges"])
         assert case["rss_slope_mb_per_1k_steps"] < CI_SLOPE_MB, (case["name"], case["rss_mb"])
     assert result["cases"][1]["ranges"]["children"]["min"] >= 4  # split: the workers were sampled too
-
-
-def test_steps_option_goes_with_soak_only(capsys: pytest.CaptureFixture[str]) -> None:
-    from bench.__main__ import BENCHMARKS, main
-
-    assert "soak" not in BENCHMARKS  # opt-in: minutes, not part of `python -m bench all --quick` in CI
-    with pytest.raises(SystemExit) as stop:
-        main(["step", "--steps", "5"])
-    assert stop.value.code == 2 and "--steps goes with the soak benchmark only" in capsys.readouterr().err

@@ -28,12 +28,6 @@ if ! command -v ss >/dev/null 2>&1; then
   { DEBIAN_FRONTEND=noninteractive "${ss_pkg[@]}" || { apt-get update -q && DEBIAN_FRONTEND=noninteractive "${ss_pkg[@]}"; }; } \
     >/dev/null 2>&1 || echo "test.sh: could not install iproute2 (ss); the wire-count test skips" >&2
 fi
-# a C compiler: bench/native_receiver.c, the receiver with no Python in its loop, is built by its test
-if ! command -v cc >/dev/null 2>&1; then
-  cc_pkg=(apt-get install -y -q --no-install-recommends gcc libc6-dev)
-  { DEBIAN_FRONTEND=noninteractive "${cc_pkg[@]}" || { apt-get update -q && DEBIAN_FRONTEND=noninteractive "${cc_pkg[@]}"; }; } \
-    >/dev/null 2>&1 || echo "test.sh: could not install gcc; the native receiver's tests skip" >&2
-fi
 export TOKENIZERS_PARALLELISM=false
 if [ "$#" -gt 0 ]; then
   exec .venv/bin/python -m pytest "$@"

@@ -110,7 +110,7 @@ def _sampled_logprobs(step_logits: list[torch.Tensor | None], tokens: torch.Tens
     Why per step: stacking HF's per-step logits into `[B, T, vocab]` and then casting,
     excluding the pad, scaling and log-softmaxing it made five such tensors. On SmolLM2
     (49k vocab, 32 rows, 64 tokens) that was ~1.7 GB. It set the whole GRPO step's peak
-    memory, above the update's own (bench step_memory). Per step only one row-block of
+    memory, above the update's own (`python -m bench memory`). Per step only one row-block of
     logits is live beyond the ones HF returned, and each is dropped once used.
     """
     out = torch.empty(tokens.shape, dtype=torch.float32)

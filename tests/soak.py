@@ -1,21 +1,21 @@
 """Soak: does a long run leak? RSS, open fds, threads and child processes over thousands of steps.
 
-Why a benchmark of its own: a leak of 30 KB per step is invisible in any test of a few
-steps and kills a week-long run (the node's OOM killer, or EMFILE after a few thousand
-leaked sockets). Each config runs as `verl-hpc train` in a child process, as a user runs it;
-a sampler polls the child's whole process tree (the launcher and, in split placement, the
-actor, rollout and reward workers) every `interval` seconds with psutil and reads the step
-reached from the tail of metrics.jsonl.
+Why: a leak of 30 KB per step is invisible in any test of a few steps and kills a week-long
+run (the node's OOM killer, or EMFILE after a few thousand leaked sockets). Each config runs
+as `verl-hpc train` in a child process, as a user runs it; a sampler polls the child's whole
+process tree (the launcher and, in split placement, the actor, rollout and reward workers)
+every `interval` seconds with psutil and reads the step reached from the tail of metrics.jsonl.
 
 Reported per config: the RSS slope in MB per 1,000 steps, a least-squares fit of summed RSS
 against the step over the second half of the samples (the first half covers start-up,
-allocator warm-up and the first checkpoints), and the range of fds, threads and children
-in that same half (targets: slope < SLOPE_TARGET_MB; no count's floor rises, see `analyse`).
+allocator warm-up and the first checkpoints), and the range of fds, threads and children in
+that same half (targets: slope < SLOPE_TARGET_MB; no count's floor rises, see `analyse`).
 
-Configs: configs/quickstart.yaml (one process) and configs/quickstart_split.yaml (split),
-both at batch 32 so thousands of steps fit in minutes; steps: 5000 (`--quick`: 300,
-`--steps N` to choose). Not in `python -m bench all` (minutes; CI runs the quick soak on
-its own in tests/test_soak.py).
+Configs: configs/quickstart.yaml (one process) and configs/quickstart_split.yaml (split), both
+at batch 32 so thousands of steps fit in minutes. tests/test_soak.py runs 300 steps of each in
+CI; the long soak (5,000 steps, docs/benchmarks.md) is
+
+    python -c "from tests import soak; print(soak.table(soak.run(steps=5000)))"
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import Any
 
 import psutil
 
-HERE = Path(__file__).resolve().parent
+REPO = Path(__file__).resolve().parents[1]
 CONFIGS = {"one_process": "configs/quickstart.yaml", "split": "configs/quickstart_split.yaml"}
 # Checkpoints every 100 steps: their writer threads and files must not pile up either. One
 # intra-op thread per process: on a shared 2-core machine OpenMP spinning makes steps 10x slower.
@@ -86,10 +86,10 @@ def last_step(metrics: Path) -> int:
 def soak(config: str, steps: int, work: Path, interval: float) -> dict[str, Any]:
     """Run `config` for `steps` steps, sampling its tree; returns the samples and the fits."""
     run_dir = work / Path(config).stem
-    cmd = [sys.executable, "-m", "verl_hpc", "train", str(HERE.parent / config), "--run-dir", str(run_dir),
+    cmd = [sys.executable, "-m", "verl_hpc", "train", str(REPO / config), "--run-dir", str(run_dir),
            f"trainer.total_steps={steps}", *OVERRIDES]
     log = open(work / f"{run_dir.name}.log", "w")  # noqa: SIM115 - the child's output for a failure's message
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=HERE.parent,
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
                             env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
     root, samples, start = psutil.Process(proc.pid), [], time.monotonic()
     try:
@@ -145,7 +145,7 @@ def verdicts(case: dict[str, Any]) -> dict[str, bool]:
 def run(quick: bool = False, scratch: str | None = None, steps: int | None = None) -> dict[str, Any]:
     steps = steps or (QUICK_STEPS if quick else STEPS)
     interval = 0.25 if steps <= 1000 else 1.0  # a few hundred steps take tens of seconds: sample finer
-    work = Path(tempfile.mkdtemp(prefix="verl_hpc_bench_soak_", dir=scratch))
+    work = Path(tempfile.mkdtemp(prefix="verl_hpc_soak_", dir=scratch))
     try:
         cases = [soak(config, steps, work, interval) | {"name": name} for name, config in CONFIGS.items()]
     finally:
@@ -158,13 +158,13 @@ def run(quick: bool = False, scratch: str | None = None, steps: int | None = Non
 
 
 def _ratio(case: dict[str, Any]) -> dict[str, float]:
-    """RSS at the end over RSS at the window's start (1.0: flat), the `ratios` entry every bench has."""
+    """RSS at the end over RSS at the window's start (1.0: flat): the growth in one number."""
     r = case["rss_mb"]["last"] / case["rss_mb"]["window_start"]
     return {"median": r, "min": r, "max": r}
 
 
 def table(result: dict[str, Any]) -> str:
-    lines = [f"soak benchmark: {result['steps']} steps per config, batch 32, sampled every {result['interval_s']} s; "
+    lines = [f"soak: {result['steps']} steps per config, batch 32, sampled every {result['interval_s']} s; "
              "slope and ranges over the second half of the samples",
              f"{'config':<12}{'s':>7}{'samples':>8}{'RSS MB':>15}{'MB/1k steps':>13}  fds / threads / children"]
     for c in result["cases"]:
