@@ -1,4 +1,4 @@
-"""The estimators and losses of issue 17 against numbers worked out by hand (in the comments),
+"""The registered estimators and losses against numbers worked out by hand (in the comments),
 with ragged lengths, holes in the mask and garbage in the padding; and Dr. GRPO's
 length normalisation next to the other aggregation modes on one batch."""
 

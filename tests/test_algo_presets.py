@@ -1,4 +1,4 @@
-"""`algorithm.name` presets of issue 17: each fills only the fields the user left out,
+"""`algorithm.name` presets: each fills only the fields the user left out,
 `config show` prints the expansion, and each trains two steps in one process with its
 estimator's or loss's signature in what it trained on."""
 

@@ -1,4 +1,4 @@
-"""Nothing silent (issue 14, items 3-5), through the CLI as a user runs it: bad rewards, CUDA or
+"""Nothing silent, through the CLI as a user runs it: bad rewards, CUDA or
 NCCL on a CPU machine, a vLLM build with no backend here. Each ends in one line naming the field
 and the fix, leaves the user's files as they were, and leaves a run dir the fixed command reuses."""
 

@@ -1,4 +1,4 @@
-"""The config layer's promises: seeds load verbatim, bad configs fail in one line, dumps round-trip.
+"""The config layer's promises: the standalone resource_config.yaml loads verbatim, bad configs fail in one line, dumps round-trip.
 
 The bad-config cases go through the real CLI, most in a subprocess, because the promise
 is about what a user on a login node sees: exit code 2, one line naming the field, no
@@ -47,7 +47,7 @@ def quickstart() -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------
-# 1. The seeds' resource_config.yaml loads unchanged.
+# 1. The standalone resource_config.yaml loads unchanged.
 # ---------------------------------------------------------------------------------------------
 
 

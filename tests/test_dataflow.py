@@ -1,6 +1,6 @@
-"""The seeds' Dataflow facade: stage graphs become the ResourceConfig the runtime places.
+"""The `Dataflow` facade: stage graphs become the ResourceConfig the runtime places.
 
-Why these tests: the facade is the seeds' entry point to placement, so a wrong device id
+Why these tests: the facade is a declared graph's entry point to placement, so a wrong device id
 or a silently accepted edge would run a different job than the one declared. Each test
 pins one translation rule or one rejection (with the words a user needs to fix it).
 """
@@ -23,8 +23,8 @@ REPO = Path(__file__).resolve().parents[1]
 SPLIT = REPO / "configs" / "quickstart_split.yaml"
 
 
-def seed_flow(rollout_strategy: str = "vllm") -> Dataflow:
-    """The seeds' example, exactly as they write it."""
+def declared_flow(rollout_strategy: str = "vllm") -> Dataflow:
+    """Rollout, reward and actor in a ring, as the `Dataflow` docs declare it."""
     flow = Dataflow()
     flow.add_stage("rollout", num_workers=1, num_gpus_per_worker=1, strategy=rollout_strategy)
     flow.add_stage("reward", num_workers=2, num_gpus_per_worker=0)
@@ -36,7 +36,7 @@ def seed_flow(rollout_strategy: str = "vllm") -> Dataflow:
 
 
 def test_seed_example_gives_expected_resources() -> None:
-    res = seed_flow().to_resources()
+    res = declared_flow().to_resources()
     assert isinstance(res, ResourceConfig)
     assert (res.actor.device_type, res.actor.device_ids, res.actor.strategy) == ("cuda", [0, 1], "fsdp")
     assert (res.rollout.device_type, res.rollout.device_ids, res.rollout.strategy) == ("cuda", [2], "vllm")
@@ -110,7 +110,7 @@ def test_duplicate_stage_rejected() -> None:
 
 
 def test_bad_edges_rejected() -> None:
-    flow = seed_flow()
+    flow = declared_flow()
     with pytest.raises(ValueError, match=r"fixed pipeline.*no reward -> rollout step"):
         flow.connect("reward", "rollout")
     with pytest.raises(ValueError, match=r"did you mean connect\('reward', 'actor'\)"):
@@ -146,19 +146,19 @@ def test_gpus_per_worker_rules() -> None:
 
 
 def test_device_type_cpu_override() -> None:
-    res = seed_flow().to_resources(device_type="cpu")
+    res = declared_flow().to_resources(device_type="cpu")
     for role in (res.actor, res.rollout, res.reward):
         assert role is not None and role.device_type == "cpu"
     assert res.actor.device_ids == [0, 1] and res.rollout.device_ids == [2]
     assert res.reward is not None and res.reward.device_ids == [3, 4]
     assert res.rollout.strategy == "vllm" and res.resolved_backend() == "gloo"
     with pytest.raises(ValueError, match="device_type must be None"):
-        seed_flow().to_resources(device_type="tpu")
+        declared_flow().to_resources(device_type="tpu")
 
 
 def test_apply_to_quickstart_split() -> None:
     base = load_config(SPLIT)
-    cfg = seed_flow("hf").apply(base, device_type="cpu")
+    cfg = declared_flow("hf").apply(base, device_type="cpu")
     assert isinstance(cfg, RunConfig)
     assert cfg.resources.actor == base.resources.actor and cfg.resources.rollout == base.resources.rollout
     assert cfg.resources.timeout_seconds == 60 and cfg.resources.placement == "split"
@@ -176,7 +176,7 @@ def test_apply_to_quickstart_split() -> None:
 
 def test_apply_accepts_a_dict_and_runs_run_config_checks() -> None:
     raw = verl_hpc.config.read_yaml(SPLIT)
-    cfg = seed_flow("hf").apply(raw, device_type="cpu")
+    cfg = declared_flow("hf").apply(raw, device_type="cpu")
     assert cfg.resources.reward is not None and cfg.resources.reward.device_ids == [3, 4]
     bad = Dataflow().add_stage("actor", num_workers=3).add_stage("rollout")
     with pytest.raises(ValueError, match="resources.actor.device_ids"):
@@ -211,23 +211,23 @@ def test_invalid_strategy_and_missing_roles() -> None:
 
 
 def test_describe_is_readable() -> None:
-    text = seed_flow().describe()
+    text = declared_flow().describe()
     assert "placement split" in text
     assert "actor    2 worker(s) x 1 GPU, cuda [0, 1], strategy fsdp" in text
     assert "rollout  1 worker(s) x 1 GPU, cuda [2], strategy vllm" in text
     assert "reward   2 worker(s) x CPU, cpu [0, 1], strategy data_parallel" in text
     assert "actor -> rollout" in text and "weight sync" in text
-    assert "cpu (forced) [0, 1]" in seed_flow().describe(device_type="cpu")
+    assert "cpu (forced) [0, 1]" in declared_flow().describe(device_type="cpu")
     partial = Dataflow().add_stage("rollout", colocate_with="actor").describe()
     assert "devices not assigned" in partial and "no actor stage" in partial
     assert "missing (required by the pipeline): actor" in partial
-    assert repr(seed_flow()) == ("Dataflow(stages=[rollout, reward, actor], "
+    assert repr(declared_flow()) == ("Dataflow(stages=[rollout, reward, actor], "
                                  "edges=[rollout->reward, reward->actor, actor->rollout])")
 
 
 def test_example_script_runs() -> None:
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
-    result = subprocess.run([sys.executable, "examples/seed_dataflow.py", "--dry-run"], cwd=REPO, env=env,
+    result = subprocess.run([sys.executable, "examples/dataflow_graph.py", "--dry-run"], cwd=REPO, env=env,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "placement: split" in result.stdout
@@ -243,9 +243,9 @@ def test_example_runs_with_a_plain_python_and_trains(tmp_path: Path) -> None:
     plain = shutil.which("python3", path="/usr/local/bin:/usr/bin:/bin") or "/usr/bin/python3"
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")}
     env["TOKENIZERS_PARALLELISM"] = "false"
-    result = subprocess.run([plain, str(REPO / "examples" / "seed_dataflow.py"), "--steps", "2",
+    result = subprocess.run([plain, str(REPO / "examples" / "dataflow_graph.py"), "--steps", "2",
                              "--run-dir", str(tmp_path / "run")], cwd=tmp_path, env=env, capture_output=True,
                             text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert f"trained the seed graph for 2 steps in {tmp_path / 'run'}" in result.stdout
+    assert f"trained the declared graph for 2 steps in {tmp_path / 'run'}" in result.stdout
     assert (tmp_path / "run" / "hf_model" / "config.json").is_file()

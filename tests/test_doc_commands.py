@@ -1,4 +1,4 @@
-"""Every fenced shell command in README.md and docs/ runs as written (issue 14, item 7).
+"""Every fenced shell command in README.md and docs/ runs as written.
 
 Why: the docs drifted (an export of a checkpoint its own `keep_last` had deleted). Each
 ```bash / ```sh block runs, command by command in order, in a scratch directory that

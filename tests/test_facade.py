@@ -1,6 +1,6 @@
-"""The seeds' Python forms, as written (CPU-adapted): `HybridTrainer`, `update_resource`, device_type=cpu.
+"""The `HybridTrainer` facade's forms, as written (CPU-adapted): `HybridTrainer`, `update_resource`, device_type=cpu.
 
-The seeds write `HybridTrainer(actor_model=..., reward_model=fn,
+A cluster user writes `HybridTrainer(actor_model=..., reward_model=fn,
 config=load_resource_config("resource_config.yaml"))` and
 `trainer.update_resource(component="reward", device_ids=[...], strategy="data_parallel")`,
 with `resource_config.yaml` asking for CUDA. Here `resources.device_type=cpu` is the only
@@ -42,7 +42,7 @@ def hd32_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _cuda_run_config(tmp_path: Path) -> Path:
-    """The quickstart with the seeds' CUDA resources and GPU-only options, as a cluster user writes it."""
+    """The quickstart with the shipped CUDA resources and GPU-only options, as a cluster user writes it."""
     data = yaml.safe_load((REPO / "configs" / "quickstart.yaml").read_text())
     data["resources"] = yaml.safe_load(RESOURCE_CONFIG.read_text())
     data["resources"]["rollout"]["vllm_args"]["enable_sleep_mode"] = True
@@ -93,9 +93,9 @@ def test_device_type_on_the_standalone_resource_config() -> None:
     res = ResourceConfig.model_validate({**data, "device_type": "cpu"})
     assert {res.role(n).device_type for n in ("actor", "reward", "rollout")} == {"cpu"}
     assert res.resolved_backend() == "gloo"
-    seeds = load_resource_config(RESOURCE_CONFIG)
-    seeds.device_type = "cpu"  # assignment re-validates: the same switch on a loaded object
-    assert seeds.actor.device_type == "cpu" and seeds.resolved_backend() == "gloo"
+    loaded = load_resource_config(RESOURCE_CONFIG)
+    loaded.device_type = "cpu"  # assignment re-validates: the same switch on a loaded object
+    assert loaded.actor.device_type == "cpu" and loaded.resolved_backend() == "gloo"
 
 
 def test_a_resource_config_is_completed_by_the_quickstart(tiny_model_dir: Path) -> None:
@@ -253,7 +253,7 @@ def test_seed_form_resource_config_runs_every_process(tmp_path: Path, hd32_model
 
 @pytest.mark.slow
 def test_update_resource_during_a_run_resizes_it(tmp_path: Path, tiny_model_dir: Path) -> None:
-    """The seeds' `trainer.update_resource(component="reward", ...)` while train() runs (from another thread)."""
+    """`trainer.update_resource(component="reward", ...)` while train() runs (from another thread)."""
     run_dir, steps = tmp_path / "run", 6
     trainer = HybridTrainer(config=REPO / "configs" / "quickstart_split.yaml", reward_model=digit_reward,
                             run_dir=run_dir, overrides=[

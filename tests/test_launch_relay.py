@@ -1,4 +1,4 @@
-"""The launcher's terminal during a multi-process run (issue 14, item 6): a start-up line per role,
+"""The launcher's terminal during a multi-process run: a start-up line per role,
 trainer rank 0's progress and INFO lines as they come, WARNING/ERROR lines of every rank."""
 
 from __future__ import annotations

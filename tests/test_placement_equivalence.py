@@ -160,7 +160,7 @@ def test_ppo_agrees_on_every_placement(tmp_path: Path, tiny_model_dir: Path, in_
         assert any(abs(r["critic/rewards/mean"] - r["critic/score/mean"]) > 1e-6 for r in metrics[2:])
 
 
-# Issue 19's intake: each producer sends every row straight to the trainer rank that trains
+# Direct intake: each producer sends every row straight to the trainer rank that trains
 # it. W = 1, 2, 3 trainer ranks (an odd one included) with 1-3 producers; a mini-batch of 24
 # rows keeps GRPO's groups of 4 whole on every rank at each W.
 DIRECT_INTAKE: dict[str, dict[str, Any]] = {

@@ -1,4 +1,4 @@
-"""Every preset learns (issue 17): in one process, and through the CLI in split placement
+"""Every preset learns: in one process, and through the CLI in split placement
 (the rollout in a process of its own, where DAPO's generation rounds and ReMax's greedy
 baselines run, and the KL in the reward crosses processes).
 

@@ -218,7 +218,7 @@ def test_generate_restores_training_mode(tiny, prompts):
 
 
 def test_sampled_logprobs_step_by_step_equal_the_stacked_formula_bit_for_bit() -> None:
-    """The per-step computation (no `[B, T, vocab]` stack, issue 16's step peak) changes no number."""
+    """The per-step computation (no `[B, T, vocab]` stack, the SmolLM2 step's peak) changes no number."""
     from verl_hpc.roles.forward import exclude_padding
     from verl_hpc.roles.rollout.hf import _sampled_logprobs
 

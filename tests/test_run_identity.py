@@ -1,4 +1,4 @@
-"""A run directory keeps its identity (issue 14, items 1 and 2), through the CLI as a user runs it.
+"""A run directory keeps its identity, through the CLI as a user runs it.
 
 A changed config is refused in one line naming the changed fields and touches nothing;
 `--allow-config-change` continues under it, keeping the replaced config and the earlier

@@ -1,4 +1,4 @@
-"""The embedded runtime from Python: the seeds' API, reward models, batching equivalence."""
+"""The embedded runtime from Python: the `HybridTrainer` facade, reward models, batching equivalence."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A real chat model end to end (issue 15, item 5): SmolLM2-135M-Instruct built from the PyPI wheel by
+"""A real chat model end to end: SmolLM2-135M-Instruct built from the PyPI wheel by
 tools/make_smollm2.py (cached in ~/.cache/verl-hpc/models between runs), the GSM8K-style Parquet of
 examples/gsm8k in verl's layout, verl's compute_score, 2 GRPO steps with HF rollouts through the CLI."""
 

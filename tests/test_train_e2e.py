@@ -86,7 +86,7 @@ def test_quickstart_model_beats_every_constant_answer(quickstart_run: Path) -> N
 def test_quickstart_model_answers_and_stops(quickstart_run: Path) -> None:
     """Greedy answers to all 25 prompts a+b= (a, b <= 4) are the number then EOS, and >= 80% right.
 
-    The reward gives full marks only for the number followed by EOS (issue 14, item 8): before,
+    The reward gives full marks only for the number followed by EOS: before,
     the model answered `3+4=` with `7se7se`, never having learned to stop.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer

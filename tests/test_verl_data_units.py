@@ -1,4 +1,4 @@
-"""Pieces of issue 15 items 1-2 in one process: dataset shapes, truncation, the reward pool."""
+"""verl's data layout in one process: dataset shapes, truncation, the reward pool."""
 
 from __future__ import annotations
 

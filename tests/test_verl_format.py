@@ -1,4 +1,4 @@
-"""verl's dataset layout and reward functions as is (issue 15, items 1-2), through the CLI.
+"""verl's dataset layout and reward functions as is, through the CLI.
 
 A verl user's Parquet (chat `prompt`, nested `reward_model`, `data_source`, `extra_info`) and
 `compute_score(data_source, solution_str, ground_truth, extra_info=None)` train with no

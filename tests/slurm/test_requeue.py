@@ -154,7 +154,7 @@ def assert_promql_through_the_gateway(state: Path, gateway: str, job: int, last:
 
 def test_ppo_with_every_role_apart_is_a_four_component_hetjob_that_survives_a_requeue(
         slurm_cluster: SlurmCluster, model: Path, tmp_path: Path) -> None:
-    """The seeds' promise under Slurm: FSDP actor, FSDP critic, rollout and reward each a component."""
+    """Every role apart under Slurm: FSDP actor, FSDP critic, rollout and reward each a component."""
     config = "configs/slurm_ppo_roles_apart.yaml"
     script = cli("sbatch", config, f"model.path={model}")
     assert script.returncode == 0, script.stderr

@@ -1,8 +1,8 @@
-"""The seeds' `Dataflow` (`add_stage` / `connect`) as a facade over `ResourceConfig`.
+"""`Dataflow` (`add_stage` / `connect`): a declared stage graph as a facade over `ResourceConfig`.
 
 Why a facade and not a graph executor: verl-hpc's stages are fixed by the algorithm
 (generate -> reward -> ref/old/values -> advantages -> update -> sync) and executed by
-the `ProcessPlan` that `config/placement.py` derives from `resources`. A seed's graph
+the `ProcessPlan` that `config/placement.py` derives from `resources`. A declared graph
 therefore tells the runtime only two things it can use: how many workers of which kind
 each role gets, and whether the rollout shares the actor's devices. This module turns
 exactly that into a validated `ResourceConfig`, and rejects what the fixed pipeline
@@ -62,7 +62,7 @@ class Stage:
 
 
 class Dataflow:
-    """The seeds' stage graph, validated against verl-hpc's fixed pipeline.
+    """A declared stage graph, validated against verl-hpc's fixed pipeline.
 
     Declare stages and edges, then `to_resources()` (the `resources:` section) or
     `apply(config)` (a whole validated `RunConfig`). Every mistake raises `ValueError`

@@ -1,6 +1,6 @@
 """Per-role resources: where each role of the RL loop runs, locally or under Slurm.
 
-Why its own module: the seeds ship `resource_config.yaml` as a standalone file, and
+Why its own module: `resource_config.yaml` also ships as a standalone file, and
 the same shape is the `resources:` section of a full run config, so one typed object
 serves both (`load_resource_config` reads the standalone file verbatim).
 
@@ -32,7 +32,7 @@ VALID_STRATEGIES: dict[str, tuple[str, ...]] = {
 
 
 class VllmArgs(StrictModel):
-    """The seeds' `vllm_args`, plus the knobs a CPU engine needs set explicitly."""
+    """vLLM's engine arguments as `resource_config.yaml` writes them, plus the knobs a CPU engine needs set explicitly."""
 
     tensor_parallel_size: int = Field(1, ge=1)
     gpu_memory_utilization: float = Field(0.85, gt=0.0, le=1.0)
