@@ -32,7 +32,7 @@ BENCHMARKS = {"checkpoint": "bench.checkpoint", "transport": "bench.transport",
 OPT_IN = {"preemption_slurm": "bench.preemption_slurm",
           "versions": "bench.versions",  # also not in `all`: a git worktree of another revision, minutes
           "step_smollm2": "bench.step_smollm2",  # and the real-model step: a built model, TRL's venv, minutes
-          "soak": "bench.soak",  # and the leak soak: thousands of steps, minutes (CI: tests/test_soak.py)
+          "soak": "bench.soak",  # and the leak soak: thousands of steps, minutes (CI: tests/e2e/test_soak.py)
           "step_memory": "bench.step_memory",  # and a whole SmolLM2 step's peak memory per switch, minutes
           "transport_native": "bench.transport_native"}  # and the C receiver: it compiles C (compiler, headers)
 # `--model NAME` picks a benchmark's real-model variant: (benchmark, model) -> the module's name above.

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from verl_hpc.data.transport import frames, socket_dir, wire
+from verl_hpc.transport.rollouts import frames, socket_dir, wire
 
 SOURCE = Path(__file__).with_suffix(".c")
 

@@ -5,7 +5,7 @@ preset at its own defaults (config/presets.py: PPO trains a critic, RLOO/REINFOR
 add the KL to the reward through the reference model, ReMax generates one greedy response
 per prompt more, DAPO may generate several rounds to fill its batch with informative
 groups). The reward is the share of 1s in a response, which the untrained model already
-varies within a group (as in tests/test_preset_learning.py), so DAPO's dynamic sampling
+varies within a group (as in tests/algo/test_preset_learning.py), so DAPO's dynamic sampling
 keeps most groups instead of running out of rounds.
 
 Presets take turns in blocks inside one run: a round runs every preset's block of
@@ -59,7 +59,7 @@ def _config(name: str, model_dir: Path, total_steps: int) -> dict[str, Any]:
 def _block(name: str, model_dir: Path, steps: int, run_dir: Path) -> tuple[list[float], list[float]]:
     """One preset's fresh run of `steps`: seconds of each step, and generation rounds of each."""
     from verl_hpc import HybridTrainer
-    from verl_hpc.runtime.loop import RLTrainer
+    from verl_hpc.runtime.step.loop import RLTrainer
 
     seconds: list[float] = []
     rounds: list[float] = []

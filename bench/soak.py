@@ -15,7 +15,7 @@ in that same half (targets: slope < SLOPE_TARGET_MB; no count's floor rises, see
 Configs: configs/quickstart.yaml (one process) and configs/quickstart_split.yaml (split),
 both at batch 32 so thousands of steps fit in minutes; steps: 5000 (`--quick`: 300,
 `--steps N` to choose). Not in `python -m bench all` (minutes; CI runs the quick soak on
-its own in tests/test_soak.py).
+its own in tests/e2e/test_soak.py).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Project: `RolloutFlightClient.put(batch)` into a `RolloutFlightServer` on loopba
 everything a run pays to move one rollout batch from a worker to the trainer. Two
 routes, as a run takes them: "flight", the client's one open `do_exchange` stream (a
 producer on another node), and "local", the Unix socket a producer on the trainer's own
-node uses (`data/transport/local.py`), same client, same server.
+node uses (`transport/rollouts/local.py`), same client, same server.
 Baseline: the same number of bytes (the batch's Arrow IPC stream) sent with `sendall`
 over one persistent loopback TCP connection to a thread that `recv_into`s a buffer and
 answers one acknowledgement byte — the floor any transport on this host can reach.
@@ -33,7 +33,7 @@ import numpy as np
 import pyarrow as pa
 
 from verl_hpc.data.rollout_batch import RolloutBatch
-from verl_hpc.data.transport.flight import RolloutFlightClient, RolloutFlightServer
+from verl_hpc.transport.rollouts.flight import RolloutFlightClient, RolloutFlightServer
 
 TARGET = 0.8
 SMALL_TARGET, SMALL_BELOW = 0.5, 1 << 20  # below 1 MB the target is 0.5

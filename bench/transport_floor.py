@@ -22,7 +22,7 @@ import threading
 
 import numpy as np
 
-from verl_hpc.data.transport import socket_dir
+from verl_hpc.transport.rollouts import socket_dir
 
 MODES = ("unix", "floor")
 _LENGTH = struct.Struct("!Q")

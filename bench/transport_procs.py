@@ -26,8 +26,8 @@ from bench.native_receiver import NativeReceiver
 from bench.transport import RawLoopback, _label, ipc_bytes, make_batch, transfers_per_rep
 from bench.transport_floor import MODES as FLOOR_MODES
 from bench.transport_floor import FloorReceiver, FloorSender
-from verl_hpc.data.transport.flight import RolloutFlightClient, RolloutFlightServer
-from verl_hpc.data.transport.local import LocalConnection
+from verl_hpc.transport.rollouts.flight import RolloutFlightClient, RolloutFlightServer
+from verl_hpc.transport.rollouts.local import LocalConnection
 
 TOKEN = "bench-procs"
 ROUTES = ("flight", "local")

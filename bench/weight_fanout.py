@@ -30,9 +30,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from verl_hpc.models.tiny import PRESETS, build_model
-from verl_hpc.roles.weight_relay import chain_links, relay_for
-from verl_hpc.roles.weight_sender import flatten_sender
-from verl_hpc.roles.weight_sync import DEFAULT_BUCKET_BYTES, broadcast_weights
+from verl_hpc.transport.weights.bucketed import DEFAULT_BUCKET_BYTES, broadcast_weights
+from verl_hpc.transport.weights.chain import chain_links, relay_for
+from verl_hpc.transport.weights.sender import flatten_sender
 from verl_hpc.utils.proc import exit_now
 from verl_hpc.utils.wire_count import tcp_bytes_sent
 

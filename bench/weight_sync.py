@@ -40,11 +40,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from verl_hpc.models.tiny import PRESETS, build_model
-from verl_hpc.roles.fsdp import full_tensor, shard_model
+from verl_hpc.roles.fsdp import shard_model
 from verl_hpc.roles.rollout.hf import HFRolloutEngine
-from verl_hpc.roles.shard_sync import ShardLinks, ShardReceiver, send_shards
-from verl_hpc.roles.weight_sender import flatten_sender
-from verl_hpc.roles.weight_sync import (
+from verl_hpc.transport.weights.bucketed import (
     DEFAULT_BUCKET_BYTES,
     broadcast_weights,
     engine_buffer,
@@ -54,6 +52,9 @@ from verl_hpc.roles.weight_sync import (
     send_header,
     send_plan,
 )
+from verl_hpc.transport.weights.sender import flatten_sender
+from verl_hpc.transport.weights.shard import ShardLinks, ShardReceiver, send_shards
+from verl_hpc.utils.dtensor import full_tensor
 from verl_hpc.utils.proc import exit_now
 
 TARGET = 1.3
