@@ -198,7 +198,7 @@ def measure(preset: str, reps: int, block: int, with_trl: bool, work: Path, shap
     times: dict[str, list[list[float]]] = {"verl_hpc": [], "floor": [], "trl": []}
     current: list[float] = []
     verl_phases: list[dict[str, float]] = []
-    from verl_hpc.runtime.loop import RLTrainer
+    from verl_hpc.runtime.step.loop import RLTrainer
 
     inner = RLTrainer.train_step
 

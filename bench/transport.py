@@ -34,7 +34,7 @@ import pyarrow as pa
 
 from bench import summary
 from verl_hpc.data.rollout_batch import RolloutBatch
-from verl_hpc.data.transport.flight import RolloutFlightClient, RolloutFlightServer
+from verl_hpc.transport.rollouts.flight import RolloutFlightClient, RolloutFlightServer
 
 TARGET = 0.8
 SMALL_TARGET, SMALL_BELOW = 0.5, 1 << 20  # below 1 MB the target is 0.5

@@ -25,7 +25,7 @@ The receiver's weights are checked equal to the sender's after the project's syn
 fast but wrong sync cannot pass.
 
 Fan-out, R rollout ranks (R + 1 processes): the runtime's chain (`broadcast_weights` with the
-relay of roles/weight_relay.py) vs the same bucketed sync down gloo's binomial tree vs one plain
+relay of transport/weights/chain.py) vs the same bucketed sync down gloo's binomial tree vs one plain
 broadcast. Time: the slowest receiver's. Bytes: what rank 0's sockets put on the wire, counted by
 the kernel (utils/wire_count.py), over the model's bytes — it must stay 1 as R grows. Targets:
 chain <= 1.3x plain for every R, rank 0's bytes 1x the model.
@@ -49,12 +49,9 @@ import torch.multiprocessing as mp
 
 from bench import summary
 from verl_hpc.models.tiny import PRESETS, build_model
-from verl_hpc.roles.fsdp import full_tensor, shard_model
+from verl_hpc.roles.fsdp import shard_model
 from verl_hpc.roles.rollout.hf import HFRolloutEngine
-from verl_hpc.roles.shard_sync import ShardLinks, ShardReceiver, send_shards
-from verl_hpc.roles.weight_relay import chain_links, relay_for
-from verl_hpc.roles.weight_sender import flatten_sender
-from verl_hpc.roles.weight_sync import (
+from verl_hpc.transport.weights.bucketed import (
     DEFAULT_BUCKET_BYTES,
     broadcast_weights,
     engine_buffer,
@@ -64,6 +61,10 @@ from verl_hpc.roles.weight_sync import (
     send_header,
     send_plan,
 )
+from verl_hpc.transport.weights.chain import chain_links, relay_for
+from verl_hpc.transport.weights.sender import flatten_sender
+from verl_hpc.transport.weights.shard import ShardLinks, ShardReceiver, send_shards
+from verl_hpc.utils.dtensor import full_tensor
 from verl_hpc.utils.proc import exit_now
 from verl_hpc.utils.wire_count import tcp_bytes_sent
 

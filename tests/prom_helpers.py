@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from verl_hpc.runtime.env import free_port
+from verl_hpc.runtime.process.env import free_port
 
 PROMETHEUS = "/usr/bin/prometheus"
 PUSHGATEWAY = "/usr/bin/prometheus-pushgateway"

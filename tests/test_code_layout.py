@@ -92,6 +92,6 @@ def test_files_and_functions_stay_small() -> None:
 def test_the_loop_exists_once() -> None:
     """One train_step in the package, and none of the removed second loop's modules."""
     steps = [p for p in PACKAGE.rglob("*.py") if "def train_step(" in p.read_text()]
-    assert [p.relative_to(REPO).as_posix() for p in steps] == ["verl_hpc/runtime/loop.py"]
+    assert [p.relative_to(REPO).as_posix() for p in steps] == ["verl_hpc/runtime/step/loop.py"]
     for gone in ("trainer", "components", "dist_trainer", "dist_roles", "dist_lifecycle", "dist_intake"):
         assert not (PACKAGE / "runtime" / f"{gone}.py").exists(), gone

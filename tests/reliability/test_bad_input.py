@@ -3,7 +3,7 @@ never a traceback and never a started job; malformed Arrow batches and data file
 with the column named.
 
 Why in-process: `main()` is the CLI; calling it here spares a torch import per example, so
-hundreds of generated inputs cost seconds. tests/test_config.py runs hand-written cases through
+hundreds of generated inputs cost seconds. tests/config/test_config.py runs hand-written cases through
 real subprocesses, and the last test here sends a few generated ones through one too.
 """
 

@@ -1,6 +1,6 @@
 """kill -9 of one rank of any role under the local launcher: a named failure within
 `resources.timeout_seconds`, no process left behind, and the same command resumes from the
-newest committed checkpoint. (tests/test_dist_e2e.py kills the rollout rank and hangs one.)
+newest committed checkpoint. (tests/e2e/test_dist_e2e.py kills the rollout rank and hangs one.)
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ import pytest
 
 from tests.conftest import REPO
 from verl_hpc.config import ConfigError, dump_config, load_config
-from verl_hpc.runtime.run_dir import prepare_run_dir
+from verl_hpc.runtime.state.run_dir import prepare_run_dir
 
 QUICKSTART = REPO / "configs" / "quickstart.yaml"
 

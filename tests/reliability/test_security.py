@@ -2,7 +2,7 @@
 Flight endpoint refuses every client without this run's token, and user code is imported only
 from the path configured (and only when no one else could have changed it). The threat model
 and what torch's TCPStore rendezvous cannot do are in docs/security.md. Related tests:
-tests/test_flight.py (no/wrong token refused, 0600 token file), tests/test_checkpoint.py
+tests/transport/test_flight.py (no/wrong token refused, 0600 token file), tests/checkpoint/test_checkpoint.py
 (a pickled payload in checkpoint metadata is refused and never runs).
 """
 
@@ -17,7 +17,7 @@ import pytest
 
 from tests.reliability.runs import train
 from tests.reliability.test_bad_input import run_main
-from verl_hpc.data.transport import RolloutFlightClient, RolloutFlightServer, create_run_secret
+from verl_hpc.transport.rollouts import RolloutFlightClient, RolloutFlightServer, create_run_secret
 
 pytestmark = pytest.mark.slow
 
@@ -96,8 +96,8 @@ def test_rendezvous_keys_are_out_of_reach_without_the_run_secret() -> None:
 
     import torch.distributed as dist
 
-    from verl_hpc.runtime.dist import secret_store
-    from verl_hpc.runtime.env import JobEnvironment, free_port
+    from verl_hpc.runtime.process.dist import secret_store
+    from verl_hpc.runtime.process.env import JobEnvironment, free_port
 
     port = free_port()
     env = JobEnvironment.from_env({"VERL_HPC_RANK": "0", "VERL_HPC_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",

@@ -79,7 +79,7 @@ def finished(cluster: SlurmCluster, job: int) -> bool:
 def test_resize_actor_from_one_to_two_tasks_across_a_resubmission(slurm_cluster: SlurmCluster, registry: None,
                                                                   tmp_path: Path) -> None:
     from verl_hpc.models.tiny import init_model
-    from verl_hpc.runtime import resize
+    from verl_hpc.runtime.state import resize
 
     model = init_model(tmp_path / "tiny", preset="tiny", seed=0)
     run_dir, marker = tmp_path / "run", tmp_path / "resize.out"

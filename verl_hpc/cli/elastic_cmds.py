@@ -30,7 +30,7 @@ def _add_resubmit(sub: argparse._SubParsersAction) -> None:
 
 def _cmd_resize(args: argparse.Namespace) -> int:
     from verl_hpc.launch.elastic import resolve_target
-    from verl_hpc.runtime.resize import request_resize
+    from verl_hpc.runtime.state.resize import request_resize
 
     run_dir = resolve_target(args.run)
     path = request_resize(run_dir, args.overrides)

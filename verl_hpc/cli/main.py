@@ -69,7 +69,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from verl_hpc.config.machine import check_machine
     from verl_hpc.launch.local import WorkerFailure
     from verl_hpc.launch.train import train
-    from verl_hpc.runtime.run_dir import ALLOW_ENV, named_run_dir
+    from verl_hpc.runtime.state.run_dir import ALLOW_ENV, named_run_dir
 
     cfg = load_config(args.config, args.overrides)
     check_machine(cfg)  # before the run dir exists: a mismatch must not leave one behind

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from verl_hpc.runtime import resize
+from verl_hpc.runtime.state import resize
 
 
 def resolve_target(target: str | Path) -> Path:

@@ -48,7 +48,7 @@ import psutil
 from verl_hpc.config.placement import ProcessPlan
 from verl_hpc.launch.log_tail import read_tail
 from verl_hpc.launch.relay import LogRelay, announce
-from verl_hpc.runtime.env import free_port
+from verl_hpc.runtime.process.env import free_port
 from verl_hpc.utils.logging import get_logger
 
 log = get_logger("launch")

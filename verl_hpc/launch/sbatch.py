@@ -26,7 +26,7 @@ WORKER_MODULE = "verl_hpc.runtime.worker"
 # #SBATCH lines are split on whitespace by sbatch, and quoting there is not shell quoting.
 _SBATCH_VALUE = re.compile(r"^[^\s'\"\\]+$")
 # Variables of the submitting shell (sbatch exports it to the job) that would override
-# Slurm's description of the tasks: JobEnvironment prefers them (verl_hpc/runtime/env.py).
+# Slurm's description of the tasks: JobEnvironment prefers them (verl_hpc/runtime/process/env.py).
 _STALE_LAUNCHER_VARS = "VERL_HPC_RANK VERL_HPC_WORLD_SIZE RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE"
 # Left in the log folder by each task once it ignores USR1; + its SLURM_PROCID (see _signal_block).
 READY_PREFIX = ".usr1_ready_${SLURM_JOB_ID:-0}_"

@@ -14,10 +14,10 @@ from typing import Any
 
 from verl_hpc.config import ConfigError, RunConfig, dump_config
 from verl_hpc.config.placement import plan_for_config
-from verl_hpc.runtime import resize
 from verl_hpc.runtime.build import ensure_model, prompt_files
 from verl_hpc.runtime.lifecycle import TrainResult
-from verl_hpc.runtime.run_dir import prepare_run_dir
+from verl_hpc.runtime.state import resize
+from verl_hpc.runtime.state.run_dir import prepare_run_dir
 from verl_hpc.utils.logging import get_logger
 
 log = get_logger("launch")
@@ -48,7 +48,7 @@ def prepare_run(cfg: RunConfig, run_dir: str | Path | None) -> Path:
     Why shared: the local launcher and `verl-hpc submit` need the same directory, made once
     by one process (none of these steps is safe to race from several workers).
     """
-    from verl_hpc.data.transport import create_run_secret
+    from verl_hpc.transport.secret import create_run_secret
 
     path = prepare_run_dir(run_dir or cfg.run_dir, cfg)
     (path / "config.yaml").write_text(dump_config(cfg))

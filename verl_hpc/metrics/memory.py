@@ -1,7 +1,7 @@
 """Memory gauges under `memory/`: host RSS now and at its peak, device memory on a GPU.
 
 Why both host figures: the peak says whether a step fits the node; the current value,
-step after step, is the trend that shows a leak (tests/soak.py fits its slope).
+step after step, is the trend that shows a leak (tests/e2e/soak.py fits its slope).
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ import math
 import torch
 
 from verl_hpc.config.schema import OptimConfig
-from verl_hpc.roles.fsdp import to_float
 from verl_hpc.roles.lora import load_trainable_state, trainable_state
+from verl_hpc.utils.dtensor import to_float
 
 
 def build_optimizer(params, cfg: OptimConfig, total_steps: int):

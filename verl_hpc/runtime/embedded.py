@@ -14,11 +14,12 @@ import torch
 
 from verl_hpc.config import RunConfig, dump_config
 from verl_hpc.runtime.build import BuildSpec, resolve_device
-from verl_hpc.runtime.checkpointing import RunCheckpointer, build_manager, seed_all
 from verl_hpc.runtime.lifecycle import RunLifecycle, TrainResult
-from verl_hpc.runtime.placement.base import Placement
-from verl_hpc.runtime.signals import StopFlag
-from verl_hpc.runtime.steps import build_process_roles, build_step
+from verl_hpc.runtime.placement.one_process import Placement
+from verl_hpc.runtime.process.signals import StopFlag
+from verl_hpc.runtime.state.checkpointing import RunCheckpointer, build_manager
+from verl_hpc.runtime.state.seeding import seed_all
+from verl_hpc.runtime.step.kinds import build_process_roles, build_step
 from verl_hpc.utils.logging import get_logger, setup_logging
 
 log = get_logger("trainer")

@@ -18,12 +18,13 @@ from typing import Any
 from verl_hpc.config import RunConfig
 from verl_hpc.metrics import MetricSinks, Progress
 from verl_hpc.metrics.history import WALL_CLOCK
-from verl_hpc.runtime import resize, validation
-from verl_hpc.runtime.checkpointing import ModelState, RunCheckpointer, resume_path
-from verl_hpc.runtime.env import JobEnvironment
-from verl_hpc.runtime.loop import RLTrainer
-from verl_hpc.runtime.observe import RunObserver
-from verl_hpc.runtime.signals import REQUEUE_SIGNALS, StopFlag, requeue
+from verl_hpc.runtime.process.env import JobEnvironment
+from verl_hpc.runtime.process.signals import REQUEUE_SIGNALS, StopFlag, requeue
+from verl_hpc.runtime.state import resize
+from verl_hpc.runtime.state.checkpointing import ModelState, RunCheckpointer, resume_path
+from verl_hpc.runtime.state.observe import RunObserver
+from verl_hpc.runtime.step import validation
+from verl_hpc.runtime.step.loop import RLTrainer
 from verl_hpc.utils.logging import get_logger
 
 log = get_logger("trainer")
@@ -221,13 +222,13 @@ class RunLifecycle:
 
 def _plain(model: Any, cfg: RunConfig) -> Any:
     """`model` as its plain architecture: a LoRA actor's adapters merged into a fresh copy of the base."""
-    from verl_hpc.roles.lora import has_adapters
+    from verl_hpc.transport.weights.views import has_adapters
 
     if not has_adapters(model):
         return model
     from verl_hpc.config.checks import expand_path
-    from verl_hpc.roles.weight_sync import stream_into
     from verl_hpc.runtime.build import DTYPES, load_causal_lm
+    from verl_hpc.transport.weights.bucketed import stream_into
 
     merged = load_causal_lm(str(expand_path(cfg.model.path)), DTYPES[cfg.model.dtype])
     stream_into(model, merged)

@@ -23,10 +23,10 @@ from pathlib import Path  # noqa: E402
 
 from verl_hpc.config import load_config  # noqa: E402
 from verl_hpc.config.placement import plan_for_config  # noqa: E402
-from verl_hpc.data.transport import read_run_secret  # noqa: E402
-from verl_hpc.runtime.dist import DistContext, default_store, init_distributed  # noqa: E402
-from verl_hpc.runtime.env import JobEnvironment  # noqa: E402
-from verl_hpc.runtime.signals import EXIT_STOPPED_UNFINISHED, StopFlag, ignore_notices_until_exit  # noqa: E402
+from verl_hpc.runtime.process.dist import DistContext, default_store, init_distributed  # noqa: E402
+from verl_hpc.runtime.process.env import JobEnvironment  # noqa: E402
+from verl_hpc.runtime.process.signals import EXIT_STOPPED_UNFINISHED, StopFlag, ignore_notices_until_exit  # noqa: E402
+from verl_hpc.transport.secret import read_run_secret  # noqa: E402
 from verl_hpc.utils.logging import get_logger, setup_logging  # noqa: E402
 from verl_hpc.utils.proc import exit_now  # noqa: E402  (finished runs leave by it)
 
@@ -113,11 +113,12 @@ def main() -> int:
 
 def run_worker(cfg, ctx: DistContext, run_dir: Path, stop: StopFlag):  # -> Outcome
     """This process's part of the run: the one loop on the placement the plan gives it."""
-    from verl_hpc.runtime.checkpointing import RunCheckpointer, build_manager, seed_all
-    from verl_hpc.runtime.heartbeat import Heartbeat
     from verl_hpc.runtime.lifecycle import RunLifecycle
     from verl_hpc.runtime.placement import build_distributed
-    from verl_hpc.runtime.steps import build_step
+    from verl_hpc.runtime.process.heartbeat import Heartbeat
+    from verl_hpc.runtime.state.checkpointing import RunCheckpointer, build_manager
+    from verl_hpc.runtime.state.seeding import seed_all
+    from verl_hpc.runtime.step.kinds import build_step
 
     seed_all(cfg.trainer.seed + ctx.env.rank)
     heartbeat = Heartbeat(ctx.plan, ctx.env.rank, default_store())

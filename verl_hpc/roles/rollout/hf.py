@@ -12,9 +12,9 @@ from collections.abc import Iterable
 import torch
 
 from verl_hpc.config import SamplingConfig
-from verl_hpc.roles.flat_weights import flatten_params, same_memory
 from verl_hpc.roles.forward import exclude_padding, unsampled_token
 from verl_hpc.roles.rollout.base import Generation, stop_token_ids
+from verl_hpc.transport.weights.flat import flatten_params, same_memory
 
 
 class HFRolloutEngine:

@@ -12,10 +12,10 @@ import torch
 
 from verl_hpc.config import RunConfig
 from verl_hpc.runtime.build import BuildSpec, build_roles
-from verl_hpc.runtime.dist import DistContext
-from verl_hpc.runtime.heartbeat import Heartbeat
-from verl_hpc.runtime.placement.base import Placement, Timer, generate_rows
 from verl_hpc.runtime.placement.distributed import DistributedPlacement
+from verl_hpc.runtime.placement.one_process import Placement, Timer, generate_rows
+from verl_hpc.runtime.process.dist import DistContext
+from verl_hpc.runtime.process.heartbeat import Heartbeat
 
 __all__ = ["DistributedPlacement", "Placement", "Timer", "build_distributed", "generate_rows"]
 
@@ -43,7 +43,7 @@ def build_distributed(cfg: RunConfig, ctx: DistContext, run_dir: Path, heartbeat
     from verl_hpc.runtime.placement.split import Split
 
     if cfg.algorithm.dpo is not None:  # the actor and its reference on every trainer rank, no engine
-        from verl_hpc.runtime.dpo_build import build_dpo_roles
+        from verl_hpc.runtime.step.dpo_build import build_dpo_roles
 
         return DistributedPlacement(cfg, run_dir, build_dpo_roles(cfg, run_dir, build_spec(cfg, ctx, run_dir)),
                                     ctx, heartbeat)

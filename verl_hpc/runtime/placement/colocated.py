@@ -9,8 +9,8 @@ after each update (an FSDP actor is gathered one parameter at a time).
 from __future__ import annotations
 
 from verl_hpc.data.rollout_batch import RolloutBatch
-from verl_hpc.runtime.placement.base import Timer, generate_rows
 from verl_hpc.runtime.placement.distributed import DistributedPlacement
+from verl_hpc.runtime.placement.one_process import Timer, generate_rows
 
 
 class Colocated(DistributedPlacement):

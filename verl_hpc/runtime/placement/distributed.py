@@ -16,10 +16,11 @@ import torch.distributed as dist
 
 from verl_hpc.config import RunConfig
 from verl_hpc.data.rollout_batch import RolloutBatch
-from verl_hpc.runtime import resize
 from verl_hpc.runtime.build import DTYPES, Roles, load_causal_lm
-from verl_hpc.runtime.dist import DistContext
-from verl_hpc.runtime.heartbeat import (
+from verl_hpc.runtime.placement.one_process import Placement, Timer
+from verl_hpc.runtime.placement.remote import RoleClient, RoleService
+from verl_hpc.runtime.process.dist import DistContext
+from verl_hpc.runtime.process.heartbeat import (
     PULSE_SECONDS,
     STALE_PULSES,
     Heartbeat,
@@ -27,9 +28,8 @@ from verl_hpc.runtime.heartbeat import (
     is_peer_lost,
     is_timeout,
 )
-from verl_hpc.runtime.placement.base import Placement, Timer
-from verl_hpc.runtime.placement.remote import RoleClient, RoleService
-from verl_hpc.runtime.signals import StopFlag
+from verl_hpc.runtime.process.signals import StopFlag
+from verl_hpc.runtime.state import resize
 from verl_hpc.utils.collective import all_reduce_kept
 
 SERVICE_SEED_OFFSET = {"rollout": 1000, "ref": 2000, "reward": 3000, "critic": 4000}
@@ -193,7 +193,7 @@ class DistributedPlacement(Placement):
         """An unsharded copy of the actor on the leader, gathered one parameter at a time."""
         from verl_hpc.config.checks import expand_path
         from verl_hpc.roles.rollout import HFRolloutEngine
-        from verl_hpc.roles.weight_sync import gather_only, stream_into
+        from verl_hpc.transport.weights.bucketed import gather_only, stream_into
 
         engine = self.roles.engine
         if isinstance(engine, HFRolloutEngine) and self.ctx.is_role("rollout"):  # colocated: already synced

@@ -24,7 +24,7 @@ from verl_hpc.data.layout import even_slices, rank_rows, row_position
 from verl_hpc.data.rollout_batch import RolloutBatch
 from verl_hpc.roles.actor import UpdatePlan
 from verl_hpc.roles.forward import batched_logprobs, to_device
-from verl_hpc.runtime.placement.base import Timer
+from verl_hpc.runtime.placement.one_process import Timer
 from verl_hpc.utils.collective import all_reduce_kept
 
 if TYPE_CHECKING:

@@ -20,9 +20,12 @@ import torch.distributed as dist
 
 from verl_hpc.data.layout import even_owner, even_slices, row_owner
 from verl_hpc.data.rollout_batch import RolloutBatch
-from verl_hpc.roles.shard_sync import ShardReceiver, send_shards, shard_sendable
-from verl_hpc.roles.weight_sender import WeightSender
-from verl_hpc.roles.weight_sync import (
+from verl_hpc.runtime.placement.distributed import DistributedPlacement
+from verl_hpc.runtime.placement.one_process import Timer, generate_rows
+from verl_hpc.runtime.step import validation
+from verl_hpc.runtime.step.metrics import sync_metrics
+from verl_hpc.transport.rollouts.intake import BUFFER_FILE, RolloutRouter, TrainerIntake, bind_host, positions
+from verl_hpc.transport.weights.bucketed import (
     STOP_VERSION,
     engine_buffer,
     join_send_gathers,
@@ -32,11 +35,8 @@ from verl_hpc.roles.weight_sync import (
     send_plan,
     stop_header,
 )
-from verl_hpc.runtime import validation
-from verl_hpc.runtime.placement.base import Timer, generate_rows
-from verl_hpc.runtime.placement.distributed import DistributedPlacement
-from verl_hpc.runtime.placement.intake import BUFFER_FILE, RolloutRouter, TrainerIntake, bind_host, positions
-from verl_hpc.runtime.step_metrics import sync_metrics
+from verl_hpc.transport.weights.sender import WeightSender
+from verl_hpc.transport.weights.shard import ShardReceiver, send_shards, shard_sendable
 from verl_hpc.utils.collective import broadcast_kept
 from verl_hpc.utils.logging import get_logger
 
@@ -98,7 +98,7 @@ class Split(DistributedPlacement):
 
     def connect(self) -> None:
         """Every trainer rank serves Flight; every rollout rank learns all their addresses and connects."""
-        from verl_hpc.data.transport import read_run_secret
+        from verl_hpc.transport.secret import read_run_secret
 
         ctx = self.ctx
         token = read_run_secret(self.run_dir)
