@@ -35,7 +35,7 @@ def declared_flow(rollout_strategy: str = "vllm") -> Dataflow:
     return flow
 
 
-def test_seed_example_gives_expected_resources() -> None:
+def test_declared_example_gives_expected_resources() -> None:
     res = declared_flow().to_resources()
     assert isinstance(res, ResourceConfig)
     assert (res.actor.device_type, res.actor.device_ids, res.actor.strategy) == ("cuda", [0, 1], "fsdp")

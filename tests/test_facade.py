@@ -198,7 +198,7 @@ def test_update_resource_before_train_changes_the_trainers_config(tiny_model_dir
 
 # ---- runs in this process -----------------------------------------------------------------
 
-def test_seed_form_in_one_process_trains_the_given_objects(tmp_path: Path, tiny_model_dir: Path) -> None:
+def test_facade_form_in_one_process_trains_the_given_objects(tmp_path: Path, tiny_model_dir: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -233,7 +233,7 @@ def test_config_forms_run(tmp_path: Path, tiny_model_dir: Path, form: str) -> No
 # ---- runs that start worker processes -----------------------------------------------------
 
 @pytest.mark.slow
-def test_seed_form_resource_config_runs_every_process(tmp_path: Path, hd32_model_dir: Path) -> None:
+def test_resource_config_form_runs_every_process(tmp_path: Path, hd32_model_dir: Path) -> None:
     """configs/resource_config.yaml as written: FSDP actor on 2, vLLM rollout, a reward process."""
     from transformers import AutoModelForCausalLM
 

@@ -30,7 +30,7 @@ def _emitter(run_dir: Path) -> Emitter:
     return Emitter(run_dir, "test", "trainer", 0)
 
 
-def test_seed_api_with_model_object_and_reward_callable(tmp_path: Path, tiny_model_dir: Path) -> None:
+def test_facade_with_model_object_and_reward_callable(tmp_path: Path, tiny_model_dir: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     calls: list[str] = []
