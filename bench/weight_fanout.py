@@ -4,7 +4,7 @@ R + 1 processes on gloo (loopback): rank 0 holds the actor, laid out as a split 
 actor is (`flatten_sender`: one buffer, buckets sent as views), ranks 1..R a rollout copy each.
 Three ways to move the same weights, alternating in each repetition after a barrier:
 - chain: what the split runtime runs with several rollout ranks (`broadcast_weights` with
-  the relay of roles/weight_relay.py; one receiver: the sync group itself is the pair);
+  the relay of transport/weights/chain.py; one receiver: the sync group itself is the pair);
 - tree: the same bucketed sync without the relay (gloo's binomial broadcast tree: what
   the runtime ran before);
 - plain: one `dist.broadcast` of a pre-packed float32 tensor of the same bytes (the floor

@@ -4,7 +4,7 @@ Why a sender object: a lone (unsharded, float32, adapter-free) actor can keep it
 parameters in one buffer laid out in sync order, so every bucket is a view of the live
 weights — nothing is packed (`flatten_sender`) and nothing must stay in memory for the
 transfer. The sync can then be left in flight while the trainer goes on with the next
-step (ref and old log-probs, forward and backward), which is issue 19's "overlapped with
+step (ref and old log-probs, forward and backward): a weight sync "overlapped with
 the next step": on a cluster the bytes cross the NIC while the GPUs compute. The one
 thing that must not happen meanwhile is a change to the weights being read, so the
 sender hooks the actor's optimizer: its next `step()` first waits for the sync
