@@ -8,6 +8,7 @@ the collectives over its trainer group, the stages (trainer ranks) or the servic
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,28 +46,46 @@ def build_spec(cfg: RunConfig, ctx: DistContext, run_dir: Path) -> BuildSpec:
                      engine_log=run_dir / "logs" / f"vllm_engine_rank{ctx.env.rank}.log")
 
 
+PlacementBuilder = Callable[..., Placement]
+PLACEMENTS: dict[str, PlacementBuilder] = {}  # how a generating run's trainer group gets its rollouts
+
+
+def register_placement(name: str) -> Callable[[PlacementBuilder], PlacementBuilder]:
+    """A placement builder takes (cfg, run_dir, roles, seat, collectives, ctx, heartbeat, clients, service)."""
+    def add(builder: PlacementBuilder) -> PlacementBuilder:
+        PLACEMENTS[name] = builder
+        return builder
+    return add
+
+
 def build_distributed(cfg: RunConfig, ctx: DistContext, run_dir: Path, heartbeat: Heartbeat) -> Placement:
-    """This worker's placement: colocated when the trainer group generates, else split; DPO's
-    actor and reference on every trainer rank with no engine."""
+    """This worker's placement: colocated when the trainer group generates, else split; a step kind
+    that generates nothing (DPO) has the actor and its reference on every trainer rank, no engine."""
     roles = build_process_roles(cfg, run_dir, build_spec(cfg, ctx, run_dir))
     seat = distributed_seat(cfg, ctx)
     collectives = GroupCollectives(ctx, seat.world, seat.is_leader)
     clients = role_clients(cfg, ctx)
     service: Any = RoleService(cfg, roles, ctx, heartbeat, seat.world) \
         if ctx.group.name in ("ref", "reward", "critic") else None
-    hooks: dict[str, Any] = dict(ctx=ctx, heartbeat=heartbeat, clients=clients)
     if not step_kind(cfg).generates:
-        lifecycle = DistributedLifecycle(cfg, run_dir, roles, seat, None, **hooks)
+        lifecycle = DistributedLifecycle(cfg, run_dir, roles, seat, None, ctx=ctx, heartbeat=heartbeat,
+                                         clients=clients)
         return Placement("distributed", roles, seat, collectives, lifecycle, service=service)
-    if "rollout" in ctx.plan.groups[0].roles:
-        from verl_hpc.runtime.placement.colocated import ColocatedStages
-
-        stages = ColocatedStages(cfg, roles, seat, collectives, clients) if seat.trains else None
-        lifecycle = DistributedLifecycle(cfg, run_dir, roles, seat, stages, **hooks)
-        return Placement("colocated", roles, seat, collectives, lifecycle, stages, service)
-    return _split(cfg, run_dir, roles, seat, collectives, ctx, heartbeat, clients, service)
+    name = "colocated" if "rollout" in ctx.plan.groups[0].roles else "split"
+    return PLACEMENTS[name](cfg, run_dir, roles, seat, collectives, ctx, heartbeat, clients, service)
 
 
+@register_placement("colocated")
+def _colocated(cfg: RunConfig, run_dir: Path, roles: Any, seat: Any, collectives: GroupCollectives,
+               ctx: DistContext, heartbeat: Heartbeat, clients: dict[str, Any], service: Any) -> Placement:
+    from verl_hpc.runtime.placement.colocated import ColocatedStages
+
+    stages = ColocatedStages(cfg, roles, seat, collectives, clients) if seat.trains else None
+    lifecycle = DistributedLifecycle(cfg, run_dir, roles, seat, stages, ctx=ctx, heartbeat=heartbeat, clients=clients)
+    return Placement("colocated", roles, seat, collectives, lifecycle, stages, service)
+
+
+@register_placement("split")
 def _split(cfg: RunConfig, run_dir: Path, roles: Any, seat: Any, collectives: GroupCollectives, ctx: DistContext,
            heartbeat: Heartbeat, clients: dict[str, Any], service: Any) -> Placement:
     from verl_hpc.runtime.placement.rollout_service import RolloutService
@@ -79,4 +98,3 @@ def _split(cfg: RunConfig, run_dir: Path, roles: Any, seat: Any, collectives: Gr
     lifecycle = SplitLifecycle(cfg, run_dir, roles, seat, stages, ctx=ctx, heartbeat=heartbeat, clients=clients,
                                links=links, service=service if ctx.is_role("rollout") else None)
     return Placement("split", roles, seat, collectives, lifecycle, stages, service)
-

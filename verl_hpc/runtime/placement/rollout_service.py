@@ -25,8 +25,8 @@ from verl_hpc.runtime.process.heartbeat import Heartbeat
 from verl_hpc.runtime.step import validation
 from verl_hpc.runtime.step.counters import Timer
 from verl_hpc.runtime.step.metrics import sync_metrics
-from verl_hpc.transport.weights.bucketed import STOP_VERSION, engine_buffer, push_weights, receive_weights
-from verl_hpc.transport.weights.shard import ShardReceiver
+from verl_hpc.transport.weights.bucketed import STOP_VERSION, engine_buffer, push_weights
+from verl_hpc.transport.weights.receiver import BucketReceiver
 from verl_hpc.utils.collective import broadcast_kept
 from verl_hpc.utils.logging import get_logger
 
@@ -37,7 +37,7 @@ class RolloutService:
     def __init__(self, cfg: RunConfig, roles: Roles, ctx: DistContext, heartbeat: Heartbeat, links: SplitLinks):
         self.cfg, self.roles, self.ctx, self.heartbeat, self.links = cfg, roles, ctx, heartbeat, links
         self.leader = ctx.plan.group_ranks(ctx.plan.groups[0].name)[0]
-        self.shards: ShardReceiver | None = None  # the first rollout rank's, made at its first sync
+        self.weights = BucketReceiver(ctx.weight_links(), roles.device)
         self.last_sync_bytes = 0
         self.sent_bytes = 0    # the Arrow bytes of this step's batch, for serve_metrics
         self.sent_version = 0  # ... and the policy version that sampled it
@@ -141,12 +141,7 @@ class RolloutService:
     def receive(self) -> int:
         """The newest weights into the engine; returns their version (STOP_VERSION: stop)."""
         engine = self.engine
-        specs = engine.weight_specs()
-        if self.shards is None and self.ctx.shard_links is not None:
-            self.shards = ShardReceiver([shape for _, shape in specs], self.ctx.shard_links)
-        version, tensors = receive_weights(specs, self.ctx.sync_groups["rollout"], self.leader,
-                                           device=self.roles.device, into=engine_buffer(engine),
-                                           relay=self.ctx.weight_relay, shards=self.shards)
+        version, tensors = self.weights.receive(engine.weight_specs(), into=engine_buffer(engine))
         if version != STOP_VERSION:
             self.last_sync_bytes = push_weights(tensors, engine, version)
             engine.policy_version = version

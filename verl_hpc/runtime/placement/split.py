@@ -30,9 +30,9 @@ from verl_hpc.runtime.step import validation
 from verl_hpc.runtime.step.counters import Timer
 from verl_hpc.runtime.step.stages import SyncReport
 from verl_hpc.transport.rollouts.intake import BUFFER_FILE, RolloutRouter, TrainerIntake, bind_host, positions
-from verl_hpc.transport.weights.bucketed import join_send_gathers, send_header, send_plan, stop_header
-from verl_hpc.transport.weights.sender import WeightSender
-from verl_hpc.transport.weights.shard import send_shards, shard_sendable
+from verl_hpc.transport.weights.base import WeightSender
+from verl_hpc.transport.weights.bucketed import stop_header
+from verl_hpc.transport.weights.sender import GatherJoin, ShardSender, weight_sender
 from verl_hpc.utils.collective import broadcast_kept
 from verl_hpc.utils.logging import get_logger
 
@@ -68,27 +68,34 @@ class ResumePoint:
     buffered_steps: int = 0  # steps whose rollouts came from the checkpoint
 
 
+def describe(sender: WeightSender) -> str:
+    """One log line on how this trainer rank sends its weights."""
+    if isinstance(sender, ShardSender):
+        return "every trainer rank sends its own rows to the rollout, no gather"
+    if isinstance(sender, GatherJoin):
+        return "this rank joins the leader's gathers and sends nothing itself"
+    if sender.overlaps:
+        return ("the actor's parameters are one flat buffer: syncs send views, no packing, and overlap the "
+                "next step until its optimizer step")
+    return "the leader broadcasts every bucket"
+
+
 class SplitLinks:
     """The split run's wires, made once on every rank: each trainer rank's Flight endpoint (intake),
-    each rollout rank's clients of all of them (router), and the leader's weight sender."""
+    each rollout rank's clients of all of them (router), and each trainer rank's end of the weight
+    syncs (transport/weights/base.py)."""
 
     def __init__(self, cfg: RunConfig, run_dir: Path, roles: Roles, ctx: DistContext, trains: bool, rank: int,
                  is_leader: bool):
         self.intake: TrainerIntake | None = None  # every trainer rank: its endpoint, its rows by step
         self.router: RolloutRouter | None = None  # every rollout rank: a client per trainer rank
-        self.sender: WeightSender | None = None   # the leader's: every weight sync goes through it
+        self.sender: WeightSender | None = None   # every trainer rank's end of the weight syncs
         self.resume = ResumePoint()
         self.connect(run_dir, ctx, trains, rank, is_leader)
-        if trains and ctx.sync_groups.get("rollout") is not None:
+        if trains:
             actor = roles.actor
-            self.sender = WeightSender(actor.model, actor.optimizer)  # type: ignore[union-attr]
-            if self.sender.overlaps:
-                log.info("the actor's parameters are one flat buffer: weight syncs send views, no packing, "
-                         "and overlap the next step until its optimizer step")
-        self.own_rows = trains and ctx.shard_link is not None and \
-            shard_sendable(roles.actor.model)  # type: ignore[union-attr]
-        if self.own_rows:
-            log.info("weight syncs: every trainer rank sends its own rows to the rollout, no gather")
+            self.sender = weight_sender(actor.model, actor.optimizer, ctx.weight_links())  # type: ignore[union-attr]
+            log.info("weight syncs: %s", describe(self.sender))
 
     def connect(self, run_dir: Path, ctx: DistContext, trains: bool, rank: int, is_leader: bool) -> None:
         """Every trainer rank serves Flight; every rollout rank learns all their addresses and connects."""
@@ -187,16 +194,8 @@ class SplitStages(DistributedStages):
         return self.links.sender is not None and self.links.sender.overlaps
 
     def send(self, version: int) -> int:
-        group = self.ctx.sync_groups.get("rollout")
-        model = self.roles.actor.model  # type: ignore[union-attr]
-        if self.links.own_rows:  # the leader's header, then every trainer rank's rows at once (shard.py)
-            if group is not None:
-                send_header(model, group, self.leader, version)
-            return send_shards(model, send_plan(model), self.ctx.shard_link)  # type: ignore[arg-type]
-        if group is None:  # not the leader: only join the FSDP gathers the leader's send needs
-            join_send_gathers(model)
-            return 0
-        return self.links.sender.send(group, self.leader, version, self.ctx.weight_relay)  # type: ignore[union-attr]
+        assert self.links.sender is not None
+        return self.links.sender.send(version)
 
     def next_round(self, more: bool) -> None:
         group = self.ctx.sync_groups.get("rollout")

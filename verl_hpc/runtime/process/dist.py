@@ -24,6 +24,7 @@ from torch.distributed import ProcessGroup
 
 from verl_hpc.config.placement import GroupSpec, ProcessPlan
 from verl_hpc.runtime.process.env import JobEnvironment
+from verl_hpc.transport.weights.base import SyncLinks
 from verl_hpc.transport.weights.chain import Relay, chain_links, relay_for
 from verl_hpc.transport.weights.shard import ShardLinks
 
@@ -95,6 +96,11 @@ class DistContext:
 
     def is_role(self, role: str) -> bool:
         return role in self.group.roles
+
+    def weight_links(self) -> SyncLinks:
+        """The groups this rank's weight syncs with the rollout group travel over."""
+        return SyncLinks(self.sync_groups.get("rollout"), self.plan.group_ranks(self.plan.groups[0].name)[0],
+                         self.weight_relay, self.shard_link, self.shard_links)
 
     def barrier(self, name: str, timeout_seconds: float | None = None) -> None:
         """Wait for every rank; on timeout raise DistTimeoutError naming who did not arrive.
