@@ -1,8 +1,7 @@
 """verl-hpc: a Slurm/HPC launcher and checkpoint-resilient runtime for RL post-training of LLMs.
 
-The package is layered, data flowing one way: config -> launch -> runtime -> roles ->
-algo <-> data -> checkpoint -> metrics. Importing the package is cheap: heavy modules
-(torch, transformers) load only when the trainer is used.
+The package is layered, data flowing one way (docs/architecture.md, "Layers"). Importing the
+package is cheap: heavy modules (torch, transformers) load only when the trainer is used.
 """
 
 from __future__ import annotations
@@ -10,8 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from verl_hpc.config import ConfigError, Dataflow, RunConfig, load_config, load_resource_config
-
-__version__ = "0.1.0"
+from verl_hpc.utils.version import VERSION as __version__
 
 if TYPE_CHECKING:
     from verl_hpc.api import HybridTrainer

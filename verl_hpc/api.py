@@ -1,4 +1,4 @@
-"""The seeds' Python API: `HybridTrainer(actor_model=..., reward_model=..., config=...).train()`.
+"""The `HybridTrainer` facade: `HybridTrainer(actor_model=..., reward_model=..., config=...).train()`.
 
 Why a facade apart from the loop: the loop (`verl_hpc.launch.train.train`) runs whatever
 placement a config asks for, in this process when the plan has one process and in
@@ -122,7 +122,7 @@ def _base(config: ConfigLike) -> tuple[dict[str, Any], str | None, bool]:
     else:
         raise ConfigError("config", f"a {type(config).__name__} is not a config",
                           "pass a YAML path, a RunConfig, a dict, or load_resource_config(...)")
-    if _is_resources(data):  # the seeds' standalone resource_config.yaml (as a file or a dict)
+    if _is_resources(data):  # a standalone resource_config.yaml (as a file or a dict)
         return _with_resources(data), source, True
     return data, source, False
 
@@ -140,12 +140,12 @@ def _with_resources(resources: dict[str, Any]) -> dict[str, Any]:
 
 def _run_dir_path(run_dir: str | Path | None, cfg: RunConfig, config_path: str | Path | None) -> Path:
     """`run_dir`, else the one `verl-hpc train` would pick for this config (known before the run)."""
-    from verl_hpc.config.checks import expand_path
     from verl_hpc.runtime.state import run_dir as run_dirs
+    from verl_hpc.utils.fs import expand_path
 
     if run_dir:
         return expand_path(str(run_dir))
-    named = getattr(run_dirs, "named_run_dir", None)  # runs/<trainer.run_name or file stem> (issue 14)
+    named = getattr(run_dirs, "named_run_dir", None)  # runs/<trainer.run_name or file stem>
     if named is not None:
         return named(cfg, config_path)
     return expand_path(cfg.run_dir) if cfg.run_dir else run_dirs.default_run_dir()

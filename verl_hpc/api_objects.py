@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from verl_hpc.config import ConfigError, RunConfig, load_config
-from verl_hpc.config.checks import expand_path
 from verl_hpc.config.defaults import quickstart
+from verl_hpc.utils.fs import expand_path
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 MODEL_SOURCE_KEYS = ("path", "init_preset", "init_seed")  # what an actor_model replaces in `model`

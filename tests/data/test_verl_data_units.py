@@ -102,7 +102,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 
 @pytest.mark.slow
 def test_reward_pool_times_out_one_call_and_keeps_the_rest(tmp_path: Path) -> None:
-    from verl_hpc.config.checks import resolve_function
+    from verl_hpc.config.user_code import resolve_function
 
     path = tmp_path / "slow_score.py"
     path.write_text(SLOW_REWARD)

@@ -57,7 +57,7 @@ def test_embedded_run_on_cuda_learns_checkpoints_and_resumes(tmp_path: Path, tin
         assert ONE_RANK_BF16 in _logs(run_dir)
     assert (run_dir / "checkpoints" / "step_00000300" / "manifest.json").is_file()
 
-    # More steps is a change of the run's config (runtime/run_dir.py): say so, as a user would.
+    # More steps is a change of the run's config (runtime/state/run_dir.py): say so, as a user would.
     resumed = run_cli("train", "configs/quickstart.yaml", *common, "trainer.total_steps=320", "--allow-config-change")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     steps = [int(row["step"]) for row in _metrics(run_dir)]

@@ -77,7 +77,7 @@ def test_reward_file_others_could_change_is_refused(tmp_path: Path, how: str) ->
 
 def test_reward_code_runs_only_from_the_configured_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A module of the same name lying in the working directory is not what gets imported."""
-    from verl_hpc.config.checks import resolve_function
+    from verl_hpc.config.user_code import resolve_function
 
     chosen, decoy = tmp_path / "mine", tmp_path / "cwd"
     chosen.mkdir()

@@ -176,7 +176,7 @@ GLOO_CUTS = [10]
 
 
 def _gloo_rank(rank: int, world: int, out: str) -> None:
-    from verl_hpc.runtime.placement.distributed import DistributedPlacement
+    from verl_hpc.runtime.placement.collectives import GroupCollectives
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{os.path.join(out, 'init')}", rank=rank,
@@ -186,10 +186,10 @@ def _gloo_rank(rank: int, world: int, out: str) -> None:
         placement = SimpleNamespace(world=world, ctx=SimpleNamespace(process_group=None))  # the default group
 
         def reduce_sum(t: torch.Tensor) -> torch.Tensor:
-            return DistributedPlacement.reduce_sum(placement, t)  # type: ignore[arg-type]
+            return GroupCollectives.reduce_sum(placement, t)  # type: ignore[arg-type]
 
         def reduce_max(t: torch.Tensor) -> torch.Tensor:
-            return DistributedPlacement.reduce_max(placement, t)  # type: ignore[arg-type]
+            return GroupCollectives.reduce_max(placement, t)  # type: ignore[arg-type]
 
         got = data_metrics_reduced(scores, inputs, MAX_NEW_TOKENS, reduce_sum, reduce_max)
         torch.save(got, Path(out) / f"rank{rank}.pt")

@@ -115,8 +115,9 @@ def _overlap_worker(rank: int, init_file: str, posted_file: str, out: str) -> No
 
     import torch.distributed as dist
 
+    from verl_hpc.transport.weights.base import SyncLinks
     from verl_hpc.transport.weights.bucketed import receive_weights
-    from verl_hpc.transport.weights.sender import WeightSender
+    from verl_hpc.transport.weights.sender import BroadcastSender
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
@@ -124,10 +125,10 @@ def _overlap_worker(rank: int, init_file: str, posted_file: str, out: str) -> No
         actor = _actor(seed=rank)
         specs = [(n, p.shape) for n, p in actor.model.named_parameters()]
         if rank == 0:
-            sender = WeightSender(actor.model, actor.optimizer)
+            sender = BroadcastSender(actor.model, actor.optimizer, SyncLinks(dist.group.WORLD, 0))
             assert sender.overlaps
             sent_weights = {n: p.detach().clone() for n, p in actor.model.named_parameters()}
-            sender.send(dist.group.WORLD, 0, version=1)
+            sender.send(version=1)
             # The receiver has not posted a single receive yet, so nothing can have crossed.
             still_crossing = sender.in_flight.pending
             Path(posted_file).write_text("posted")

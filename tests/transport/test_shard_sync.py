@@ -1,4 +1,4 @@
-"""A sharded actor's direct weight sync (roles/shard_sync.py): every trainer rank sends its own
+"""A sharded actor's direct weight sync (transport/weights/shard.py): every trainer rank sends its own
 rows, the first rollout rank lays them out, the chain carries them on; bit for bit, twice."""
 
 from __future__ import annotations

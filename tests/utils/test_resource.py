@@ -8,8 +8,8 @@ import sys
 import pytest
 import torch
 
-from verl_hpc.utils import resource
-from verl_hpc.utils.resource import get_gpu_usage, pin_to_device, visible_cuda_ids
+from verl_hpc.utils import devices as resource
+from verl_hpc.utils.devices import get_gpu_usage, pin_to_device, visible_cuda_ids
 
 requires_no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
 

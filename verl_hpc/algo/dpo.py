@@ -3,7 +3,7 @@
 Why a pure function of four vectors: the loss is the part a reader checks against the
 papers (Rafailov et al. 2023, arXiv:2305.18290; Azar et al. 2023, arXiv:2310.12036), and
 keeping the forward passes out of it lets a test work the numbers out by hand. The
-runtime (runtime/dpo.py) sums token log-probs per sequence (`sequence_logps`) and calls
+runtime (runtime/step/dpo.py) sums token log-probs per sequence (`sequence_logps`) and calls
 `preference_loss` on every micro-batch of pairs.
 
 With h = (log pi(y_w) - log pi_ref(y_w)) - (log pi(y_l) - log pi_ref(y_l)):

@@ -14,11 +14,11 @@ import signal
 import sys
 from collections.abc import Sequence
 
-from verl_hpc import __version__
 from verl_hpc.cli.elastic_cmds import ELASTIC_PARSERS
 from verl_hpc.cli.report_cmds import REPORT_PARSERS
 from verl_hpc.cli.slurm_cmds import SLURM_PARSERS
 from verl_hpc.config import ConfigError
+from verl_hpc.utils.version import VERSION as __version__
 
 EXIT_CONFIG_ERROR = 2
 DESCRIPTION = ("RL post-training of LLMs (GRPO, PPO) from one YAML config: on this machine (`train`) "

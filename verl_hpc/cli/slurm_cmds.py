@@ -127,7 +127,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
     if Path(args.job_id).is_dir():  # a run directory (a local run): what the directory tells
         step = last_metrics_step(Path(args.job_id) / "tensorboard" / "metrics.jsonl")
         print(f"run dir: {args.job_id}   last step: {step if step is not None else 'none yet'}")
-        from verl_hpc.utils.resource import get_gpu_usage
+        from verl_hpc.utils.devices import get_gpu_usage
 
         print("\n".join(device_report(Path(args.job_id), get_gpu_usage())))
         return 0

@@ -1,4 +1,5 @@
-"""Typed, validated configuration: the first layer; nothing here imports the layers above."""
+"""Typed, validated configuration: what every layer above reads; it imports only algo, data,
+models (registries and schemas its checks consult), metrics (its sinks' settings) and utils."""
 
 from verl_hpc.config.dataflow import Dataflow
 from verl_hpc.config.errors import ConfigError, FieldError
@@ -16,10 +17,11 @@ from verl_hpc.config.schema import (
     SlurmConfig,
     TrainerConfig,
 )
+from verl_hpc.config.validate import cross_check  # registers the cross-section checks on RunConfig
 
 __all__ = [
     "ROLE_NAMES", "AlgorithmConfig", "CheckpointConfig", "ConfigError", "DataConfig", "Dataflow", "FieldError",
     "LoggingConfig", "ModelConfig", "ResourceConfig", "RewardConfig", "RoleResources", "RunConfig",
     "SamplingConfig", "SlurmConfig", "TrainerConfig", "VllmArgs", "apply_overrides", "dump_config",
-    "load_config", "load_resource_config", "read_yaml",
+    "cross_check", "load_config", "load_resource_config", "read_yaml",
 ]

@@ -7,16 +7,14 @@ so the CLI can print one line such as
 
 from __future__ import annotations
 
-import importlib
 import importlib.util
-import inspect
 import os
-import sys
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from verl_hpc.config.errors import FieldError
 from verl_hpc.config.placement import plan_for_config
+from verl_hpc.config.user_code import resolve_function
+from verl_hpc.utils.fs import expand_path
 
 if TYPE_CHECKING:
     from verl_hpc.config.schema import RunConfig
@@ -24,39 +22,7 @@ if TYPE_CHECKING:
 DATA_SUFFIXES = (".parquet", ".jsonl", ".json")
 
 
-def expand_path(path: str) -> Path:
-    """`~` and `$VARS` expand; relative paths are relative to the working directory."""
-    return Path(os.path.expandvars(os.path.expanduser(path)))
-
-
-def import_plugins(specs: list[str]) -> None:
-    """Import `plugins` (modules or .py files) so what they register exists before validation."""
-    for i, spec in enumerate(specs):
-        field = f"plugins[{i}]"
-        if spec.endswith(".py"):
-            _load_file_module(spec, field)
-        else:
-            _import_module(spec, field)
-
-
-def cross_check(cfg: RunConfig) -> None:
-    from verl_hpc.config.dpo import check_dpo, refuse_dpo_parts
-
-    if cfg.algorithm.name == "dpo":  # offline preference pairs: no reward, no rollouts (config/dpo.py)
-        check_dpo(cfg)
-        return
-    if cfg.reward is None:
-        raise FieldError("reward", "is required but missing", "add it to the config")
-    refuse_dpo_parts(cfg)
-    _check_algorithm(cfg)
-    _check_batches(cfg)
-    _check_model(cfg)
-    _check_data(cfg)
-    _check_reward(cfg)
-    _check_roles(cfg)
-
-
-def _check_algorithm(cfg: RunConfig) -> None:
+def check_algorithm(cfg: RunConfig) -> None:
     """The estimator and loss are registered, and the run gives them what they declare they need."""
     from verl_hpc.algo import ESTIMATORS, POLICY_LOSSES
 
@@ -125,7 +91,7 @@ def _check_dynamic_bsz(cfg: RunConfig) -> None:
                          f"sampling.max_new_tokens = {longest}", f"set it to {longest} or more")
 
 
-def _check_batches(cfg: RunConfig) -> None:
+def check_batches(cfg: RunConfig) -> None:
     algo, batch = cfg.algorithm, cfg.trainer.batch_size
     n = algo.sampling.n
     if batch % n:
@@ -173,7 +139,7 @@ def _check_layout(cfg: RunConfig, mini: int) -> None:
                          f"mini-batch of {mini} sequences evenly", f"use a process count that divides {mini}")
 
 
-def _check_model(cfg: RunConfig) -> None:
+def check_model(cfg: RunConfig) -> None:
     from verl_hpc.models.tiny import PRESETS
 
     model = cfg.model
@@ -192,7 +158,7 @@ def _check_model(cfg: RunConfig) -> None:
                          "point it at a Hugging Face directory or remove it to start the critic from model.path")
 
 
-def _check_data(cfg: RunConfig) -> None:
+def check_data(cfg: RunConfig) -> None:
     data = cfg.data
     if not data.train_files and data.task is None:
         raise FieldError("data.train_files", "no prompts: the list is empty and data.task is not set",
@@ -259,7 +225,7 @@ def _paths(schema) -> str:
     return ", ".join(out[:16]) + (", ..." if len(out) > 16 else "")
 
 
-def _check_reward(cfg: RunConfig) -> None:
+def check_reward(cfg: RunConfig) -> None:
     reward = cfg.reward
     overlong, limit = reward.overlong_buffer, cfg.algorithm.sampling.max_new_tokens
     if overlong.enable and not 0 < overlong.len <= limit:
@@ -274,72 +240,8 @@ def _check_reward(cfg: RunConfig) -> None:
     resolve_function(reward.function_spec or "", reward.function_field)
 
 
-def resolve_function(spec: str, field: str):  # -> Callable
-    """Import `module:function` or `path/to/file.py:function` (only what the user named)."""
-    module_name, sep, func_name = spec.rpartition(":")
-    if not sep or not module_name or not func_name:
-        raise FieldError(field, f"{spec!r} is not of the form module:function",
-                         "e.g. verl_hpc.data.tasks.arithmetic:score or rewards/my_reward.py:score")
-    module = _load_file_module(module_name, field) if module_name.endswith(".py") else \
-        _import_module(module_name, field)
-    func = getattr(module, func_name, None)
-    if not callable(func):
-        names = [n for n, v in vars(module).items() if callable(v) and not n.startswith("_")]
-        raise FieldError(field, f"{module_name!r} has no function {func_name!r}",
-                         f"functions there: {', '.join(sorted(names)[:8]) or 'none'}")
-    params = inspect.signature(func).parameters
-    takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in params.values())
-    verl = {"data_source", "solution_str", "ground_truth"} <= set(params)  # verl's compute_score
-    if not takes_kwargs and not verl and not {"response", "ground_truth"} <= set(params):
-        raise FieldError(field, f"{spec} must accept (prompt, response, ground_truth) keyword arguments, or "
-                         "verl's (data_source, solution_str, ground_truth, extra_info=None)",
-                         "define it as def score(prompt, response, ground_truth, **kwargs) -> float")
-    return func
-
-
-def _import_module(module_name: str, field: str):  # -> ModuleType
-    if importlib.util.find_spec(module_name.split(".")[0]) is None:
-        raise FieldError(field, f"module {module_name!r} cannot be found",
-                         "check the name, add its folder to PYTHONPATH, or give a file: path/to/file.py:function")
-    try:
-        return importlib.import_module(module_name)
-    except Exception as err:  # noqa: BLE001 - report the user's import failure on one line
-        raise FieldError(field, f"importing {module_name!r} failed: {type(err).__name__}: {err}",
-                         "fix the module so it imports") from None
-
-
-def _load_file_module(file_name: str, field: str):  # -> ModuleType
-    path = expand_path(file_name).resolve()
-    if not path.is_file():
-        raise FieldError(field, f"reward file {path} does not exist", "check the path (relative to the working dir)")
-    _check_trusted_file(path, field)
-    name = f"verl_hpc_user_{path.stem}_{abs(hash(str(path))) % 10**8}"
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    try:
-        spec.loader.exec_module(module)  # type: ignore[union-attr]
-    except Exception as err:  # noqa: BLE001
-        raise FieldError(field, f"loading {path} failed: {type(err).__name__}: {err}",
-                         "fix the file so it imports") from None
-    sys.modules[name] = module
-    return module
-
-
-def _check_trusted_file(path: Path, field: str) -> None:
-    """Refuse to run code that another user could have changed: it would run as you, in your job."""
-    st = path.stat()
-    if st.st_uid not in (os.getuid(), 0):
-        raise FieldError(field, f"reward file {path} is owned by uid {st.st_uid}, not by you",
-                         "copy it into a directory of your own and point reward.function there")
-    if st.st_mode & 0o022:
-        raise FieldError(field, f"reward file {path} is writable by group or others (mode {st.st_mode & 0o777:04o})",
-                         f"chmod go-w {path}")
-
-
 def _check_validation(cfg: RunConfig) -> None:
-    """Validation files exist and are readable; every placement validates (runtime/validation.py)."""
+    """Validation files exist and are readable; every placement validates (runtime/step/validation.py)."""
     data, trainer = cfg.data, cfg.trainer
     if not data.val_files:
         if trainer.test_freq is not None or trainer.val_before_train:
@@ -357,7 +259,7 @@ def _check_validation(cfg: RunConfig) -> None:
                              "check the path and permissions")
 
 
-def _check_roles(cfg: RunConfig) -> None:
+def check_roles(cfg: RunConfig) -> None:
     _check_validation(cfg)
     res = cfg.resources
     if cfg.algorithm.max_staleness > 0 and res.placement != "split":

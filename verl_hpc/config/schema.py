@@ -8,6 +8,7 @@ live in `RunConfig`'s validator so every entry point (CLI, Python API, Slurm) ge
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import Field, model_validator
@@ -276,12 +277,17 @@ class AlgorithmConfig(StrictModel):
         return self.max_token_len_per_gpu if self.use_dynamic_bsz else None
 
     @property
+    def step_kind(self) -> str:
+        """Which registered step kind runs (runtime/step/kinds.py): DPO's offline step, or the RL loop."""
+        return "dpo" if self.dpo is not None else "rl"
+
+    @property
     def needs_critic(self) -> bool:
-        return self.dpo is None and self.estimator.needs_critic
+        return self.step_kind == "rl" and self.estimator.needs_critic
 
     @property
     def needs_ref(self) -> bool:
-        return self.dpo is not None or (self.kl.estimator != "off" and self.kl.coef > 0)  # DPO: the frozen ref
+        return self.step_kind == "dpo" or (self.kl.estimator != "off" and self.kl.coef > 0)  # DPO: the frozen ref
 
 
 class OptimConfig(StrictModel):
@@ -333,6 +339,10 @@ class SlurmConfig(StrictModel):
     setup: list[str] = Field(default_factory=list)
 
 
+# Checks across sections, files and registries (config/validate.py registers them on import).
+CROSS_CHECKS: list[Callable[[RunConfig], None]] = []
+
+
 class RunConfig(StrictModel):
     """Everything one run needs; `run_dir` is filled from the CLI when not given.
 
@@ -358,14 +368,13 @@ class RunConfig(StrictModel):
     def _import_plugins(cls, data: object) -> object:
         plugins = data.get("plugins") if isinstance(data, dict) else None
         if isinstance(plugins, list) and all(isinstance(p, str) for p in plugins):  # else: a type error below
-            from verl_hpc.config.checks import import_plugins
+            from verl_hpc.config.user_code import import_plugins
 
             import_plugins(plugins)
         return data
 
     @model_validator(mode="after")
     def _cross_checks(self) -> RunConfig:
-        from verl_hpc.config.checks import cross_check
-
-        cross_check(self)
+        for check in CROSS_CHECKS:
+            check(self)
         return self

@@ -2,7 +2,7 @@
 
 Why these live in `launch`: they act on a run that some launcher started (the local
 launcher, or a Slurm job), by writing the request the trainer reads at its next step
-boundary (runtime/resize.py explains the protocol) and, under Slurm, by submitting the
+boundary (runtime/state/resize.py explains the protocol) and, under Slurm, by submitting the
 resized job. docs/elastic.md says what a resize costs.
 """
 
@@ -139,7 +139,7 @@ def device_report(run_dir: Path, gpu_usage: dict[str, Any] | None = None) -> lis
 
 def _gpu_lines(device_ids: list[int], usage: dict[str, Any]) -> list[str]:
     """NVML's view of a role's GPUs; ids map through CUDA_VISIBLE_DEVICES as the launcher maps them."""
-    from verl_hpc.utils.resource import visible_cuda_ids
+    from verl_hpc.utils.devices import visible_cuda_ids
 
     if not usage.get("available"):
         return [f"    GPU use unknown: {usage.get('reason')}"]

@@ -18,9 +18,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from verl_hpc import __version__
 from verl_hpc.config import ConfigError, RoleResources, RunConfig
 from verl_hpc.config.placement import GroupSpec, ProcessPlan, plan_for_config
+from verl_hpc.utils.version import VERSION as __version__
 
 WORKER_MODULE = "verl_hpc.runtime.worker"
 # #SBATCH lines are split on whitespace by sbatch, and quoting there is not shell quoting.

@@ -25,10 +25,10 @@ import submitit
 from submitit.core.utils import FailedJobError
 
 from verl_hpc.config import RunConfig, load_config
-from verl_hpc.config.checks import expand_path
 from verl_hpc.config.placement import plan_for_config
 from verl_hpc.launch.sbatch import WORKER_MODULE, render_sbatch
 from verl_hpc.launch.slurm_job import SlurmError, SlurmJob, record_job, slurm_tool
+from verl_hpc.utils.fs import expand_path
 
 JOB_FOLDER = "slurm"
 SUBMIT_TOOLS = ("sbatch", "scontrol", "srun")

@@ -9,6 +9,7 @@ run reads it back.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -16,7 +17,7 @@ from verl_hpc.metrics.history import RunSummary
 from verl_hpc.metrics.sink import Emitter, MetricSink, MetricSinks
 from verl_hpc.metrics.tensorboard import JsonlSink, TensorBoardSink
 
-if TYPE_CHECKING:  # metrics is the lowest layer: it reads the config's objects, never imports them
+if TYPE_CHECKING:
     from verl_hpc.config.observability import LoggingConfig
 
 log = logging.getLogger("verl_hpc.metrics")
@@ -41,20 +42,49 @@ def open_sinks(cfg: LoggingConfig, emitter: Emitter, log_dir: Path, purge_step: 
     return out
 
 
+SinkOpener = Callable[["LoggingConfig", Emitter, Path, "int | None", "RunSummary | None"], MetricSink]
+SINKS: dict[str, SinkOpener] = {}  # logging.sinks name -> opener (jsonl is always open)
+
+
+def register_sink(name: str) -> Callable[[SinkOpener], SinkOpener]:
+    def add(opener: SinkOpener) -> SinkOpener:
+        SINKS[name] = opener
+        return opener
+    return add
+
+
 def _open(name: str, cfg: LoggingConfig, emitter: Emitter, log_dir: Path, purge_step: int | None,
           summary: RunSummary | None) -> MetricSink:
-    if name == "tensorboard":
-        return TensorBoardSink(log_dir, purge_step)
-    if name == "prometheus":
-        from verl_hpc.metrics.prometheus import PrometheusSink
+    if name not in SINKS:
+        raise ValueError(f"unknown sink {name!r}")
+    return SINKS[name](cfg, emitter, log_dir, purge_step, summary)
 
-        return PrometheusSink(cfg.prometheus, emitter, summary)
-    if name == "wandb":
-        from verl_hpc.metrics.wandb_sink import WandbSink
 
-        return WandbSink(cfg.wandb, emitter, purge_step)
-    if name == "mlflow":
-        from verl_hpc.metrics.mlflow_sink import MlflowSink
+@register_sink("tensorboard")
+def _tensorboard(cfg: LoggingConfig, emitter: Emitter, log_dir: Path, purge_step: int | None,
+                 summary: RunSummary | None) -> MetricSink:
+    return TensorBoardSink(log_dir, purge_step)
 
-        return MlflowSink(cfg.mlflow, emitter)
-    raise ValueError(f"unknown sink {name!r}")
+
+@register_sink("prometheus")
+def _prometheus(cfg: LoggingConfig, emitter: Emitter, log_dir: Path, purge_step: int | None,
+                summary: RunSummary | None) -> MetricSink:
+    from verl_hpc.metrics.prometheus import PrometheusSink
+
+    return PrometheusSink(cfg.prometheus, emitter, summary)
+
+
+@register_sink("wandb")
+def _wandb(cfg: LoggingConfig, emitter: Emitter, log_dir: Path, purge_step: int | None,
+           summary: RunSummary | None) -> MetricSink:
+    from verl_hpc.metrics.wandb_sink import WandbSink
+
+    return WandbSink(cfg.wandb, emitter, purge_step)
+
+
+@register_sink("mlflow")
+def _mlflow(cfg: LoggingConfig, emitter: Emitter, log_dir: Path, purge_step: int | None,
+            summary: RunSummary | None) -> MetricSink:
+    from verl_hpc.metrics.mlflow_sink import MlflowSink
+
+    return MlflowSink(cfg.mlflow, emitter)

@@ -204,7 +204,7 @@ def _call(fn: Callable[..., Any], kwargs: dict[str, Any]) -> tuple[str, Any]:
 def _worker_main(conn: Any, target: str | Callable[..., Any]) -> None:
     """A pool process: resolve the function once, then answer one call at a time."""
     if isinstance(target, str):
-        from verl_hpc.config.checks import resolve_function
+        from verl_hpc.config.user_code import resolve_function
 
         target = resolve_function(target, "reward")
     conn.send(("ready", None))

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from verl_hpc.config import ConfigError, RunConfig
-from verl_hpc.config.checks import expand_path, resolve_function
+from verl_hpc.config.user_code import resolve_function
 from verl_hpc.data.prompts import PromptDataset
 from verl_hpc.data.records import RowError, fit_lengths, render_prompts
 from verl_hpc.data.tasks import write_task_prompts
@@ -34,6 +34,7 @@ from verl_hpc.roles.precision import shard_or_autocast
 from verl_hpc.roles.reward import ModelReward, RuleReward
 from verl_hpc.roles.reward_shaping import OverlongShapedReward
 from verl_hpc.roles.rollout import RolloutEngine, build_engine
+from verl_hpc.utils.fs import expand_path
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -15,7 +15,7 @@ import torch
 from verl_hpc.config import RunConfig, dump_config
 from verl_hpc.runtime.build import BuildSpec, resolve_device
 from verl_hpc.runtime.lifecycle import RunLifecycle, TrainResult
-from verl_hpc.runtime.placement.one_process import Placement
+from verl_hpc.runtime.placement.one_process import one_process_placement
 from verl_hpc.runtime.process.signals import StopFlag
 from verl_hpc.runtime.state.checkpointing import RunCheckpointer, build_manager
 from verl_hpc.runtime.state.seeding import seed_all
@@ -43,7 +43,7 @@ def train_in_process(cfg: RunConfig, run_dir: Path, actor_model: Any = None, rew
     spec = BuildSpec(hosted=hosted_roles(cfg), device=resolve_device(cfg), launched=False,
                      engine_log=run_dir / "logs" / "vllm_engine_rank0.log")
     roles = build_process_roles(cfg, run_dir, spec, actor_model, reward_model)
-    placement = Placement(cfg, run_dir, roles)
+    placement = one_process_placement(cfg, run_dir, roles)
     checkpointer = RunCheckpointer(cfg, run_dir, build_manager(cfg, run_dir), {"trainer": 1}, True)
     stop = StopFlag().install()
     trainer = build_step(cfg, placement)
@@ -51,7 +51,7 @@ def train_in_process(cfg: RunConfig, run_dir: Path, actor_model: Any = None, rew
         outcome = RunLifecycle(cfg, run_dir, trainer, checkpointer, stop).run()
     finally:
         stop.restore()
-        placement.close()
+        placement.lifecycle.close()
     if outcome.stopped_by is not None:
         return TrainResult(run_dir, trainer.step, None, outcome.metrics, outcome.stopped_by)
     hf_dir = run_dir / "hf_model" if cfg.trainer.save_hf_model else None

@@ -4,7 +4,7 @@ Why apart from the loop: the loop (loop.py) is the algorithm; when to save, how 
 rank learns where to resume, what a stop signal does (checkpoint, then requeue under
 Slurm) and how the trained model is exported are the run's lifecycle, identical for every
 placement. Placement-specific parts (agreeing on a stop across ranks, telling serving
-ranks to leave) are placement methods.
+ranks to leave, what else a checkpoint holds) are the placement's `Lifecycle` hooks.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from verl_hpc.runtime.state import resize
 from verl_hpc.runtime.state.checkpointing import ModelState, RunCheckpointer, resume_path
 from verl_hpc.runtime.state.observe import RunObserver
 from verl_hpc.runtime.step import validation
-from verl_hpc.runtime.step.loop import RLTrainer
 from verl_hpc.utils.logging import get_logger
 
 log = get_logger("trainer")
@@ -54,10 +53,11 @@ def _brief(metrics: dict[str, float]) -> str:
 
 
 class RunLifecycle:
-    def __init__(self, cfg: RunConfig, run_dir: Path, trainer: RLTrainer, checkpointer: RunCheckpointer | None,
+    def __init__(self, cfg: RunConfig, run_dir: Path, trainer: Any, checkpointer: RunCheckpointer | None,
                  stop: StopFlag):
         self.cfg, self.run_dir, self.trainer, self.checkpointer, self.stop = cfg, run_dir, trainer, checkpointer, stop
         self.placement = trainer.placement
+        self.seat, self.hooks = self.placement.seat, self.placement.lifecycle
 
     # --- state ------------------------------------------------------------------------------
     def states(self) -> dict[str, Any]:
@@ -68,7 +68,7 @@ class RunLifecycle:
         if actor is not None:
             states.update(actor_scheduler=actor.scheduler, actor_allocator=actor.allocator)
         states["critic_scheduler"] = critic.scheduler if critic is not None else None
-        states.update(self.placement.extra_states())
+        states.update(self.hooks.states())
         return states
 
     def tensor_states(self) -> dict[str, ModelState]:
@@ -82,19 +82,20 @@ class RunLifecycle:
 
     def resume(self) -> None:
         """Trainer ranks load the newest checkpoint; every rank learns the step; engines get the weights."""
-        p = self.placement
-        path = resume_path(self.cfg, self.run_dir) if p.is_leader else None
-        path = p.share_from_leader(str(path) if path else None)
+        share = self.placement.collectives.share_from_leader
+        path = resume_path(self.cfg, self.run_dir) if self.seat.is_leader else None
+        path = share(str(path) if path else None)
         run: dict[str, Any] | None = None
         if path is not None and self.checkpointer is not None:
             run = self.checkpointer.restore(Path(path), self.states(), self.tensor_states())
         if path is not None:
-            run = p.share_from_leader(run)
+            run = share(run)
             if self.checkpointer is None:  # a serving rank: counters and data order, no tensors
                 self.trainer.load_state_dict(run)
                 self.trainer.sampler.load_state_dict(run["sampler"])
-            p.after_resume(Path(path), run, self.checkpointer.manager.read_shared if self.checkpointer else None)
-            p.resume_weights(self.trainer.policy_version)
+            self.hooks.after_resume(Path(path), run,
+                                    self.checkpointer.manager.read_shared if self.checkpointer else None)
+            self.hooks.resume_weights(self.trainer.policy_version)
 
     def maybe_save(self, metrics: dict[str, float]) -> None:
         ckpt, step = self.checkpointer, self.trainer.step
@@ -103,28 +104,28 @@ class RunLifecycle:
         if ckpt.due(step):
             final = step == self.cfg.trainer.total_steps or ckpt.requested
             ckpt.save(step, self.states(), self.tensor_states(), block=True if final else None,
-                      rank_files=self.placement.extra_rank_files(step))
-            if self.placement.is_leader:
+                      rank_files=self.hooks.rank_files(step))
+            if self.seat.is_leader:
                 metrics["timing_s/save_checkpoint"] = ckpt.save_seconds  # the stall: the loop waited this long
-        if self.placement.is_leader and ckpt.manager.commits:  # an async save commits during later steps
+        if self.seat.is_leader and ckpt.manager.commits:  # an async save commits during later steps
             done = ckpt.manager.commits[-1]
             ckpt.manager.commits.clear()
             metrics.update({"perf/checkpoint_save_s": done["save_seconds"], "perf/checkpoint_bytes": done["bytes"]})
 
     # --- the loop around the step --------------------------------------------------------------
     def run(self) -> Outcome:
-        cfg, trainer, p = self.cfg, self.trainer, self.placement
+        cfg, trainer, seat = self.cfg, self.trainer, self.seat
         self.resume()
-        observer = RunObserver(cfg, self.run_dir, p)
+        observer = RunObserver(cfg, self.run_dir, seat.speaker)
         sinks = observer.open(trainer.step)
-        progress = Progress(cfg.trainer.total_steps, trainer.step, cfg.logging.progress) if p.is_leader else None
-        if p.is_leader:
+        progress = Progress(cfg.trainer.total_steps, trainer.step, cfg.logging.progress) if seat.is_leader else None
+        if seat.is_leader:
             log.info("training %s for %d steps in %s", cfg.algorithm.name, cfg.trainer.total_steps, self.run_dir)
         ended = "failed"
         try:
             if trainer.step == 0 and validation.due(cfg, 0):
                 before = self.validate()
-                if p.is_leader and sinks is not None:
+                if seat.is_leader and sinks is not None:
                     sinks.log_scalars(0, before)
                     log.info("validation before training: %s", _brief(before))
             outcome = self.steps(sinks, progress)
@@ -138,28 +139,28 @@ class RunLifecycle:
             observer.close(trainer.step, ended)
 
     def steps(self, sinks: MetricSinks | None, progress: Progress | None) -> Outcome:
-        cfg, trainer, p = self.cfg, self.trainer, self.placement
+        cfg, trainer, seat = self.cfg, self.trainer, self.seat
         outcome = Outcome()
         while trainer.step < cfg.trainer.total_steps:
-            metrics = p.guard(trainer.step + 1, trainer.next_step)
+            metrics = self.hooks.guard(trainer.step + 1, trainer.next_step)
             if metrics is None:  # a serving rank told to stop by the trainer
                 outcome.stopped_by = "stop requested by the trainer"
                 return outcome
             signum, resizing = (None, False)
-            if p.trains:
-                signum, resizing = p.agree(self.stop)
+            if seat.trains:
+                signum, resizing = self.hooks.agree(self.stop)
                 if self.checkpointer is not None and (signum or resizing):
                     self.checkpointer.requested = True
             self.maybe_save(metrics)  # trainer ranks, and a critic group's ranks that share the checkpoint
             if validation.due(cfg, trainer.step):
                 metrics.update(self.validate())
             self.log_step(metrics, sinks, progress)
-            if p.is_leader:
+            if seat.is_leader:
                 outcome.metrics = metrics
             last = trainer.step == cfg.trainer.total_steps
             if resizing:
-                p.stop_services()
-                if p.is_leader:
+                self.hooks.stop_services()
+                if seat.is_leader:
                     resize.accept(self.run_dir, trainer.step)
                 outcome.stopped_by = resize.RESIZE_REASON
                 return outcome
@@ -171,9 +172,10 @@ class RunLifecycle:
     def validate(self) -> dict[str, float]:
         """Trainer ranks validate (the leader gets the metrics); serving ranks do their part."""
         p, step = self.placement, self.trainer.step
-        if p.trains:
-            return validation.validate(p, self.trainer.policy_version, step)
-        p.serve_validation(step)
+        if p.stages is not None:
+            return validation.validate(self.cfg, p.stages, p.collectives, self.trainer.policy_version, step)
+        if p.service is not None:
+            p.service.serve_validation(step)
         return {}
 
     def log_step(self, metrics: dict[str, float], sinks: MetricSinks | None, progress: Progress | None) -> None:
@@ -182,7 +184,7 @@ class RunLifecycle:
         if sinks is not None and metrics and (step % cfg.logging.log_every == 0 or step == cfg.trainer.total_steps):
             sinks.log_scalars(step, {**metrics, WALL_CLOCK: time.time()})
             batch = self.trainer.last_batch
-            if self.placement.is_leader and step % cfg.logging.sample_every == 0 and cfg.logging.num_samples \
+            if self.seat.is_leader and step % cfg.logging.sample_every == 0 and cfg.logging.num_samples \
                     and batch is not None:
                 sinks.log_text(step, "samples", self.trainer.samples_text(batch))
         if progress is not None:
@@ -191,14 +193,14 @@ class RunLifecycle:
                                    "s/step": metrics.get("timing_s/step", float("nan"))})
 
     def stop_for_signal(self, signum: int, outcome: Outcome) -> Outcome:
-        self.placement.stop_services()
+        self.hooks.stop_services()
         outcome.stopped_by = StopFlag.name(signum)
-        if self.placement.is_leader:
+        if self.seat.is_leader:
             outcome.requeued, message = requeue(JobEnvironment.from_env(), self.cfg.slurm.max_requeues, signum)
             outcome.wanted_requeue = signum in REQUEUE_SIGNALS
             log.warning("stopped by %s after step %d (checkpoint saved); %s", outcome.stopped_by,
                         self.trainer.step, message)
-            if self.placement.world_size_of_run > 1:
+            if self.seat.processes > 1:
                 print(f"verl-hpc: {message}", file=sys.stderr, flush=True)
         return outcome
 
@@ -207,10 +209,10 @@ class RunLifecycle:
         p = self.placement
         if self.checkpointer is not None:
             self.checkpointer.manager.wait()
-        p.barrier("end")
-        if not self.cfg.trainer.save_hf_model or not p.trains:
+        p.collectives.barrier("end")
+        if not self.cfg.trainer.save_hf_model or not self.seat.trains:
             return
-        model = p.export_model()
+        model = self.hooks.export_model()
         if model is not None:
             from verl_hpc.checkpoint.hf_export import save_hf_directory
 
@@ -226,9 +228,9 @@ def _plain(model: Any, cfg: RunConfig) -> Any:
 
     if not has_adapters(model):
         return model
-    from verl_hpc.config.checks import expand_path
     from verl_hpc.runtime.build import DTYPES, load_causal_lm
     from verl_hpc.transport.weights.bucketed import stream_into
+    from verl_hpc.utils.fs import expand_path
 
     merged = load_causal_lm(str(expand_path(cfg.model.path)), DTYPES[cfg.model.dtype])
     stream_into(model, merged)

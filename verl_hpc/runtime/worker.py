@@ -131,13 +131,13 @@ def run_worker(cfg, ctx: DistContext, run_dir: Path, stop: StopFlag):  # -> Outc
             manager = build_manager(cfg, run_dir, process_group=group,
                                     async_group=ctx.state_async_group or ctx.checkpoint_group)
             checkpointer = RunCheckpointer(cfg, run_dir, manager, {g.name: g.size for g in ctx.plan.groups},
-                                           placement.is_leader, group)
+                                           placement.seat.is_leader, group)
         trainer = build_step(cfg, placement, on_stage=heartbeat.enter)
         ctx.barrier("start")
         return RunLifecycle(cfg, run_dir, trainer, checkpointer, stop).run()
     finally:
         heartbeat.close()
-        placement.close()
+        placement.lifecycle.close()
 
 
 def run() -> int:

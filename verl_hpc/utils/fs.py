@@ -7,6 +7,11 @@ import shutil
 from pathlib import Path
 
 
+def expand_path(path: str) -> Path:
+    """`~` and `$VARS` expand; relative paths are relative to the working directory."""
+    return Path(os.path.expandvars(os.path.expanduser(path)))
+
+
 def replace_dir(staging: Path, out_dir: Path) -> None:
     """Rename a complete `staging` directory to `out_dir`.
 

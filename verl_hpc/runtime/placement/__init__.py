@@ -1,27 +1,35 @@
-"""Placements of the one loop: where each stage runs (base: one process; colocated; split).
+"""Placements of the one loop: where each stage runs (one process, colocated, split).
 
-`build_distributed` assembles a worker process's roles and placement from the process
-plan; `Placement` itself is the one-process placement (runtime/embedded.py).
+`one_process_placement` (one_process.py) is the embedded run's; `build_distributed`
+assembles a worker process's roles and its `Placement` from the process plan: its seat,
+the collectives over its trainer group, the stages (trainer ranks) or the service
+(rollout, ref, critic and reward ranks), and the lifecycle hooks.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from verl_hpc.config import RunConfig
-from verl_hpc.runtime.build import BuildSpec, build_roles
-from verl_hpc.runtime.placement.distributed import DistributedPlacement
-from verl_hpc.runtime.placement.one_process import Placement, Timer, generate_rows
+from verl_hpc.runtime.build import BuildSpec
+from verl_hpc.runtime.placement.collectives import GroupCollectives
+from verl_hpc.runtime.placement.distributed import DistributedLifecycle, distributed_seat, role_clients
+from verl_hpc.runtime.placement.one_process import generate_rows, one_process_placement
+from verl_hpc.runtime.placement.remote import RoleService
 from verl_hpc.runtime.process.dist import DistContext
 from verl_hpc.runtime.process.heartbeat import Heartbeat
+from verl_hpc.runtime.step.kinds import build_process_roles, step_kind
+from verl_hpc.runtime.step.stages import Placement
 
-__all__ = ["DistributedPlacement", "Placement", "Timer", "build_distributed", "generate_rows"]
+__all__ = ["build_distributed", "generate_rows", "one_process_placement"]
 
 
 def device_for(ctx: DistContext) -> torch.device:
-    from verl_hpc.utils.resource import pin_to_device
+    from verl_hpc.utils.devices import pin_to_device
 
     res = ctx.group.resources
     return pin_to_device(res.device_type, None, 0) if res.device_type == "cuda" else torch.device("cpu")
@@ -38,15 +46,55 @@ def build_spec(cfg: RunConfig, ctx: DistContext, run_dir: Path) -> BuildSpec:
                      engine_log=run_dir / "logs" / f"vllm_engine_rank{ctx.env.rank}.log")
 
 
-def build_distributed(cfg: RunConfig, ctx: DistContext, run_dir: Path, heartbeat: Heartbeat) -> DistributedPlacement:
-    from verl_hpc.runtime.placement.colocated import Colocated
-    from verl_hpc.runtime.placement.split import Split
+PlacementBuilder = Callable[..., Placement]
+PLACEMENTS: dict[str, PlacementBuilder] = {}  # how a generating run's trainer group gets its rollouts
 
-    if cfg.algorithm.dpo is not None:  # the actor and its reference on every trainer rank, no engine
-        from verl_hpc.runtime.step.dpo_build import build_dpo_roles
 
-        return DistributedPlacement(cfg, run_dir, build_dpo_roles(cfg, run_dir, build_spec(cfg, ctx, run_dir)),
-                                    ctx, heartbeat)
-    roles = build_roles(cfg, run_dir, build_spec(cfg, ctx, run_dir))
-    colocated = "rollout" in ctx.plan.groups[0].roles
-    return (Colocated if colocated else Split)(cfg, run_dir, roles, ctx, heartbeat)
+def register_placement(name: str) -> Callable[[PlacementBuilder], PlacementBuilder]:
+    """A placement builder takes (cfg, run_dir, roles, seat, collectives, ctx, heartbeat, clients, service)."""
+    def add(builder: PlacementBuilder) -> PlacementBuilder:
+        PLACEMENTS[name] = builder
+        return builder
+    return add
+
+
+def build_distributed(cfg: RunConfig, ctx: DistContext, run_dir: Path, heartbeat: Heartbeat) -> Placement:
+    """This worker's placement: colocated when the trainer group generates, else split; a step kind
+    that generates nothing (DPO) has the actor and its reference on every trainer rank, no engine."""
+    roles = build_process_roles(cfg, run_dir, build_spec(cfg, ctx, run_dir))
+    seat = distributed_seat(cfg, ctx)
+    collectives = GroupCollectives(ctx, seat.world, seat.is_leader)
+    clients = role_clients(cfg, ctx)
+    service: Any = RoleService(cfg, roles, ctx, heartbeat, seat.world) \
+        if ctx.group.name in ("ref", "reward", "critic") else None
+    if not step_kind(cfg).generates:
+        lifecycle = DistributedLifecycle(cfg, run_dir, roles, seat, None, ctx=ctx, heartbeat=heartbeat,
+                                         clients=clients)
+        return Placement("distributed", roles, seat, collectives, lifecycle, service=service)
+    name = "colocated" if "rollout" in ctx.plan.groups[0].roles else "split"
+    return PLACEMENTS[name](cfg, run_dir, roles, seat, collectives, ctx, heartbeat, clients, service)
+
+
+@register_placement("colocated")
+def _colocated(cfg: RunConfig, run_dir: Path, roles: Any, seat: Any, collectives: GroupCollectives,
+               ctx: DistContext, heartbeat: Heartbeat, clients: dict[str, Any], service: Any) -> Placement:
+    from verl_hpc.runtime.placement.colocated import ColocatedStages
+
+    stages = ColocatedStages(cfg, roles, seat, collectives, clients) if seat.trains else None
+    lifecycle = DistributedLifecycle(cfg, run_dir, roles, seat, stages, ctx=ctx, heartbeat=heartbeat, clients=clients)
+    return Placement("colocated", roles, seat, collectives, lifecycle, stages, service)
+
+
+@register_placement("split")
+def _split(cfg: RunConfig, run_dir: Path, roles: Any, seat: Any, collectives: GroupCollectives, ctx: DistContext,
+           heartbeat: Heartbeat, clients: dict[str, Any], service: Any) -> Placement:
+    from verl_hpc.runtime.placement.rollout_service import RolloutService
+    from verl_hpc.runtime.placement.split import SplitLifecycle, SplitLinks, SplitStages
+
+    links = SplitLinks(cfg, run_dir, roles, ctx, seat.trains, seat.rank, seat.is_leader)
+    stages = SplitStages(cfg, roles, seat, collectives, clients, links=links, ctx=ctx) if seat.trains else None
+    if ctx.is_role("rollout"):
+        service = RolloutService(cfg, roles, ctx, heartbeat, links)
+    lifecycle = SplitLifecycle(cfg, run_dir, roles, seat, stages, ctx=ctx, heartbeat=heartbeat, clients=clients,
+                               links=links, service=service if ctx.is_role("rollout") else None)
+    return Placement("split", roles, seat, collectives, lifecycle, stages, service)

@@ -9,22 +9,17 @@ after each update (an FSDP actor is gathered one parameter at a time).
 from __future__ import annotations
 
 from verl_hpc.data.rollout_batch import RolloutBatch
-from verl_hpc.runtime.placement.distributed import DistributedPlacement
-from verl_hpc.runtime.placement.one_process import Timer, generate_rows
+from verl_hpc.runtime.placement.distributed import DistributedStages
+from verl_hpc.runtime.placement.one_process import generate_rows
+from verl_hpc.runtime.step.counters import Timer
 
 
-class Colocated(DistributedPlacement):
-    name = "colocated"
-
+class ColocatedStages(DistributedStages):
     def rollouts(self, step: int, indices: list[int], policy_version: int, timer: Timer,
                  round_: int = 0) -> RolloutBatch | None:
         engine = self.roles.engine
         with timer("gen"):
             engine.wake_up()  # type: ignore[union-attr]
-            batch = generate_rows(self.roles, self.cfg, step, indices, self.rows(), policy_version)
+            batch = generate_rows(self.roles, self.cfg, step, indices, self.seat.rows, policy_version)
             engine.sleep()  # type: ignore[union-attr]
         return self.score(batch, timer)
-
-    def resume_weights(self, version: int) -> None:
-        if self.trains:  # serving ranks (ref, critic, reward groups) hold no engine
-            self.sync_weights(version, changed=True)

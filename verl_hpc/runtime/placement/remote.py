@@ -14,21 +14,24 @@ rows, and the serving ranks leave their loop.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from verl_hpc.config import RunConfig
 from verl_hpc.data.layout import even_slices, rank_rows, row_position
+from verl_hpc.data.prompts import PromptSampler
 from verl_hpc.data.rollout_batch import RolloutBatch
+from verl_hpc.metrics import memory_metrics
 from verl_hpc.roles.actor import UpdatePlan
 from verl_hpc.roles.forward import batched_logprobs, to_device
-from verl_hpc.runtime.placement.one_process import Timer
+from verl_hpc.runtime.build import Roles
+from verl_hpc.runtime.process.dist import DistContext
+from verl_hpc.runtime.process.heartbeat import Heartbeat
+from verl_hpc.runtime.step.counters import Timer
 from verl_hpc.utils.collective import all_reduce_kept
-
-if TYPE_CHECKING:
-    from verl_hpc.runtime.placement.distributed import DistributedPlacement
 
 STOP = "stop"
 # The optional columns each role reads (the ids, prompts and responses always travel): the rest
@@ -45,7 +48,7 @@ class Exchange:
     data round. A gather to the serving rank and a broadcast from it move only what is
     read (measured on gloo, 2 ranks: 2.1 against 3.2 ms per request and answer). Several
     serving ranks each need every row, so there it stays an all-gather. The group's ranks
-    are the trainers first, then the serving ranks (runtime/dist.py).
+    are the trainers first, then the serving ranks (runtime/process/dist.py).
     """
 
     def __init__(self, group: dist.ProcessGroup, trainers: int):
@@ -87,9 +90,9 @@ def _positions(batch: RolloutBatch, n: int) -> list[int]:
 class RoleClient:
     """Trainer side of one remote role."""
 
-    def __init__(self, role: str, group: dist.ProcessGroup, placement: DistributedPlacement):
-        self.role, self.group, self.placement = role, group, placement
-        self.exchange = Exchange(group, placement.world)
+    def __init__(self, role: str, group: dist.ProcessGroup, cfg: RunConfig, trainers: int):
+        self.role, self.group, self.cfg = role, group, cfg
+        self.exchange = Exchange(group, trainers)
         self.scheduler_state: dict[str, Any] | None = None  # critic: its LR schedule, for run_state.json
 
     def state_dict(self) -> dict[str, Any] | None:
@@ -107,7 +110,7 @@ class RoleClient:
         for part in answers:
             if part:
                 merged.update(part)
-        n = self.placement.cfg.algorithm.sampling.n
+        n = self.cfg.algorithm.sampling.n
         return [merged[pos] for pos in _positions(batch, n)]
 
     def call_tokens(self, batch: RolloutBatch, like: torch.Tensor) -> torch.Tensor:
@@ -118,9 +121,9 @@ class RoleClient:
             out[i, :len(values)] = torch.from_numpy(np.asarray(values, dtype=np.float32))
         return out
 
-    def update(self, batch: RolloutBatch, inputs: dict[str, torch.Tensor]) -> dict[str, float]:
+    def update(self, batch: RolloutBatch, returns: torch.Tensor, values: torch.Tensor) -> dict[str, float]:
         """Critic: the rows' returns and old values to the critic group, which trains; its metrics back."""
-        rows = batch.with_columns(returns=inputs["returns"], values=inputs["values"]).only(("returns", "values"))
+        rows = batch.with_columns(returns=returns, values=values).only(("returns", "values"))
         self.exchange.to_serving(rows.to_ipc())
         answers = self.exchange.to_trainers(None)
         answer = next(a for a in answers if isinstance(a, dict) and "metrics" in a)
@@ -139,17 +142,29 @@ class RoleClient:
 class RoleService:
     """The serving side: the reference model's logprobs or the reward's scores, step after step."""
 
-    def __init__(self, role: str, group: dist.ProcessGroup, placement: DistributedPlacement):
-        self.role, self.group, self.placement = role, group, placement
-        self.exchange = Exchange(group, placement.world)
+    def __init__(self, cfg: RunConfig, roles: Roles, ctx: DistContext, heartbeat: Heartbeat, trainers: int):
+        self.cfg, self.roles, self.ctx, self.heartbeat, self.trainers = cfg, roles, ctx, heartbeat, trainers
+        self.role = ctx.group.name
+        self.exchange = Exchange(ctx.exchange_groups[self.role], trainers)
+
+    def serve(self, step: int, indices: list[int], timer: Timer, sampler: PromptSampler) -> bool:
+        return self.serve_step(step, timer)
+
+    def serve_metrics(self, timer: Timer) -> dict[str, float]:
+        """What a serving rank says about its part of a step: its stage seconds and memory."""
+        return {**timer.seconds, **memory_metrics(self.roles.device)}
+
+    def serve_validation(self, step: int) -> bool:
+        """A reward group scores the validation rows too: one exchange more, after the step's."""
+        return self.serve_step(step) if self.role == "reward" else True
 
     def serve_step(self, step: int, timer: Timer | None = None) -> bool:
         """This role's exchanges of one step (the critic: values, then its update); False on stop.
 
         `timer` gets `wait_<kind>` (for the trainers' rows) and `<kind>` (computing and answering)."""
-        p, timer = self.placement, timer or Timer()
+        timer = timer or Timer()
         for kind in ("values", "update") if self.role == "critic" else (self.role,):
-            p.heartbeat.enter(f"step {step} {self.role} {kind}")
+            self.heartbeat.enter(f"step {step} {self.role} {kind}")
             with timer(f"wait_{kind}"):
                 parts = self.exchange.to_serving(None)
             if any(part == STOP for part in parts):
@@ -160,19 +175,17 @@ class RoleService:
         return True
 
     def serving_ranks(self) -> int:
-        return dist.get_world_size(self.group) - self.placement.world
+        return dist.get_world_size(self.exchange.group) - self.trainers
 
     def per_row(self, full: RolloutBatch) -> dict[int, Any]:
         """An even slice of the step's rows, computed here, answered by row position."""
-        p = self.placement
-        start, end = even_slices(len(full), self.serving_ranks(), p.ctx.rank_in_group)
+        start, end = even_slices(len(full), self.serving_ranks(), self.ctx.rank_in_group)
         mine = full.take(list(range(start, end)))
         results = self.compute(mine) if len(mine) else []
-        return dict(zip(_positions(mine, p.cfg.algorithm.sampling.n), results, strict=True))
+        return dict(zip(_positions(mine, self.cfg.algorithm.sampling.n), results, strict=True))
 
     def compute(self, batch: RolloutBatch) -> list[Any]:
-        p = self.placement
-        roles, algo = p.roles, p.cfg.algorithm
+        roles, algo, ctx = self.roles, self.cfg.algorithm, self.ctx
         if self.role == "reward":
             return roles.reward.score(batch).tolist()  # type: ignore[union-attr]
         inputs = to_device(batch.model_inputs(roles.pad_id), roles.device)
@@ -181,19 +194,18 @@ class RoleService:
         if self.role == "critic":
             out = roles.critic.compute_values(inputs, micro, budget)  # type: ignore[union-attr]
         else:
-            sharded = p.ctx.group.size > 1 and p.ctx.group.resources.strategy == "fsdp"
+            sharded = ctx.group.size > 1 and ctx.group.resources.strategy == "fsdp"
             with roles.ref_offload.resident():
                 out = batched_logprobs(roles.ref_model, inputs, algo.sampling.temperature, micro,
-                                       p.cfg.model.logprob_chunk_tokens, budget,
-                                       p.ctx.process_group if sharded else None, p.cfg.model.remove_padding)
+                                       self.cfg.model.logprob_chunk_tokens, budget,
+                                       ctx.process_group if sharded else None, self.cfg.model.remove_padding)
         lengths = batch.response_lengths()
         values = out.float().cpu().numpy()
         return [values[i, :lengths[i]].tolist() for i in range(len(batch))]
 
     def update(self, full: RolloutBatch) -> dict[str, Any] | None:
         """The critic group trains on its rows of every mini-batch (data/layout.py), like any trainer."""
-        p = self.placement
-        cfg, ctx, roles = p.cfg, p.ctx, p.roles
+        cfg, ctx, roles = self.cfg, self.ctx, self.roles
         world, batch_size = self.serving_ranks(), cfg.trainer.batch_size
         mine = full.take(rank_rows(batch_size, cfg.algorithm.mini_batch_size or batch_size, world, ctx.rank_in_group))
         inputs = to_device(mine.model_inputs(roles.pad_id), roles.device)

@@ -24,6 +24,7 @@ from torch.distributed import ProcessGroup
 
 from verl_hpc.config.placement import GroupSpec, ProcessPlan
 from verl_hpc.runtime.process.env import JobEnvironment
+from verl_hpc.transport.weights.base import SyncLinks
 from verl_hpc.transport.weights.chain import Relay, chain_links, relay_for
 from verl_hpc.transport.weights.shard import ShardLinks
 
@@ -82,7 +83,7 @@ class DistContext:
     checkpoint_group: ProcessGroup | None = None
     # This rank's links in the weight sync's chain through several rollout ranks (None: not in one).
     weight_relay: Relay | None = None
-    # A sharded trainer's direct weight sync (roles/shard_sync.py): a trainer rank's pair group
+    # A sharded trainer's direct weight sync (transport/weights/shard.py): a trainer rank's pair group
     # with the first rollout rank, and that rollout rank's pairs with every trainer rank.
     shard_link: ProcessGroup | None = None
     shard_links: ShardLinks | None = None
@@ -95,6 +96,11 @@ class DistContext:
 
     def is_role(self, role: str) -> bool:
         return role in self.group.roles
+
+    def weight_links(self) -> SyncLinks:
+        """The groups this rank's weight syncs with the rollout group travel over."""
+        return SyncLinks(self.sync_groups.get("rollout"), self.plan.group_ranks(self.plan.groups[0].name)[0],
+                         self.weight_relay, self.shard_link, self.shard_links)
 
     def barrier(self, name: str, timeout_seconds: float | None = None) -> None:
         """Wait for every rank; on timeout raise DistTimeoutError naming who did not arrive.
@@ -293,7 +299,7 @@ def _build_groups(env: JobEnvironment, plan: ProcessPlan, backend: str, timeout:
 
 def _build_relay(env: JobEnvironment, plan: ProcessPlan, trainer: GroupSpec, leader: int, backend: str,
                  timeout: timedelta) -> Relay | None:
-    """The weight sync's chain through a rollout group of several ranks (roles/weight_relay.py).
+    """The weight sync's chain through a rollout group of several ranks (transport/weights/chain.py).
 
     Every rank of the world makes every pair group, in the same order (`new_group` is collective)."""
     rollout = _rollout_group(plan, trainer)
@@ -308,7 +314,7 @@ def _build_relay(env: JobEnvironment, plan: ProcessPlan, trainer: GroupSpec, lea
 def _build_shard_links(env: JobEnvironment, plan: ProcessPlan, trainer: GroupSpec, backend: str,
                        timeout: timedelta) -> tuple[ProcessGroup | None, ShardLinks | None]:
     """Pairs (trainer rank r, first rollout rank) for a sharded trainer group: each trainer rank
-    sends its own rows (roles/shard_sync.py). Collective, like the chain's pairs."""
+    sends its own rows (transport/weights/shard.py). Collective, like the chain's pairs."""
     rollout = _rollout_group(plan, trainer)
     trainer_ranks = plan.group_ranks(trainer.name)
     if rollout is None or len(trainer_ranks) < 2 or trainer.resources.strategy != "fsdp":

@@ -20,10 +20,10 @@ import torch.distributed as dist
 
 from verl_hpc.checkpoint.manager import CheckpointManager, latest_checkpoint
 from verl_hpc.config import ConfigError, RunConfig
-from verl_hpc.config.checks import expand_path
 from verl_hpc.roles.lora import trainable_state
 from verl_hpc.runtime.state import run_state
 from verl_hpc.utils.collective import broadcast_kept
+from verl_hpc.utils.fs import expand_path
 from verl_hpc.utils.logging import get_logger
 
 log = get_logger("checkpoint")

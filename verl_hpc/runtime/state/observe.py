@@ -14,16 +14,16 @@ from pathlib import Path
 from verl_hpc.config import RunConfig
 from verl_hpc.metrics import Emitter, MetricSinks, open_sinks, read_jsonl_metrics
 from verl_hpc.metrics.history import Attempt, RunSummary, lost_seconds, read_history, record_end, record_start
-from verl_hpc.runtime.placement.one_process import Placement
 from verl_hpc.runtime.process.env import JobEnvironment
 
 
 class RunObserver:
     """This process's sinks (None when it does not speak) and, on trainer rank 0, the attempt."""
 
-    def __init__(self, cfg: RunConfig, run_dir: Path, placement: Placement):
+    def __init__(self, cfg: RunConfig, run_dir: Path, speaker: tuple[str, int, int] | None):
+        """`speaker`: (role, global rank, group index) when this process writes metrics, else None."""
         self.cfg, self.run_dir = cfg, run_dir
-        self.speaker = placement.speaker()
+        self.speaker = speaker
         self.sinks: MetricSinks | None = None
         self.attempt: Attempt | None = None
 

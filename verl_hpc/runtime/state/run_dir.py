@@ -33,7 +33,7 @@ from typing import Any
 import yaml
 
 from verl_hpc.config import ConfigError, RunConfig, dump_config, load_config
-from verl_hpc.config.checks import expand_path
+from verl_hpc.utils.fs import expand_path
 from verl_hpc.utils.logging import get_logger
 
 log = get_logger("run_dir")

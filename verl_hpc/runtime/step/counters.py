@@ -1,4 +1,4 @@
-"""Where a run stands: the step and the policy version, for any step object the lifecycle drives.
+"""Where a run stands (the step, the policy version) and how long each stage of a step took.
 
 Why one class: the RL loop (`RLTrainer`) and DPO's step (`DPOTrainer`) both ride in the
 checkpoint's run state under the same keys and name their stages to the heartbeat the same
@@ -7,10 +7,27 @@ way; two copies of that would drift, and a checkpoint of one would mislead the o
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
-from verl_hpc.runtime.placement.one_process import Timer
+
+class Timer:
+    """Collects `timing_s/<name>` for one step; `on_enter` hears each stage's name (heartbeat)."""
+
+    def __init__(self, on_enter: Callable[[str], None] | None = None) -> None:
+        self.seconds: dict[str, float] = {}
+        self.on_enter = on_enter
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        if self.on_enter is not None:
+            self.on_enter(name)
+        start = time.perf_counter()
+        yield
+        key = f"timing_s/{name}"
+        self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - start
 
 
 class StepCounters:

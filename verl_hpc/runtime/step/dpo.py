@@ -24,11 +24,11 @@ from verl_hpc.data.layout import even_slices
 from verl_hpc.data.prompts import PromptSampler
 from verl_hpc.metrics import memory_metrics
 from verl_hpc.roles.forward import response_logprobs, to_device
-from verl_hpc.runtime.placement.one_process import Placement
 from verl_hpc.runtime.state.seeding import reseed
 from verl_hpc.runtime.step.counters import StepCounters
 from verl_hpc.runtime.step.dpo_build import TokenizedPairs
 from verl_hpc.runtime.step.metrics import prefixed
+from verl_hpc.runtime.step.stages import Placement
 
 
 class DPOTrainer(StepCounters):
@@ -39,38 +39,39 @@ class DPOTrainer(StepCounters):
     def __init__(self, cfg: RunConfig, placement: Placement, sampler: PromptSampler, on_stage: Any = None):
         super().__init__(on_stage)
         self.cfg, self.placement, self.sampler = cfg, placement, sampler
+        self.seat, self.collectives, self.roles = placement.seat, placement.collectives, placement.roles
         self.pairs: TokenizedPairs = placement.roles.pairs  # type: ignore[attr-defined]
         self.last_batch: list[int] | None = None  # the step's pair indices, on the leader
 
     def next_step(self) -> dict[str, float]:
         """Advance one step; returns the leader's metrics ({} on the other actor processes)."""
         self.step += 1
-        reseed(self.cfg.trainer.seed, self.step, self.placement.seed_stream())
+        reseed(self.cfg.trainer.seed, self.step, self.seat.stream)
         return self.dpo_step(self.sampler.next_indices())
 
     def dpo_step(self, pairs: list[int]) -> dict[str, float]:
-        p, timer = self.placement, self.timer()
+        seat, timer = self.seat, self.timer()
         with timer("step"):
-            start, end = even_slices(len(pairs), p.world, p.rank)
+            start, end = even_slices(len(pairs), seat.world, seat.rank)
             with timer("update_actor"):
                 loss, grad_norm = self.update(pairs[start:end], len(pairs))
             self.policy_version += 1
-        actor = p.roles.actor
+        actor = self.roles.actor
         train = {**prefixed("dpo", loss.stats()), "actor/grad_norm": grad_norm,
                  "actor/lr": actor.scheduler.get_last_lr()[0]}  # type: ignore[union-attr]
-        train = p.mean_metrics(train)  # equal slices: the mean of the ranks' means is the mean over pairs
-        if not p.is_leader:
+        train = self.collectives.mean_metrics(train)  # equal slices: the mean of the ranks' means is the mean over pairs
+        if not seat.is_leader:
             return {}
         self.last_batch = pairs
-        return {**train, **timer.seconds, **memory_metrics(p.roles.device),
+        return {**train, **timer.seconds, **memory_metrics(self.roles.device),
                 "actor/policy_version": float(self.policy_version)}
 
     def update(self, pairs: list[int], total_pairs: int) -> tuple[PreferenceLoss, float]:
         """One optimizer step over this rank's pairs, micro-batch by micro-batch."""
-        p, dpo = self.placement, self.cfg.algorithm.dpo
-        actor = p.roles.actor
+        roles, dpo = self.roles, self.cfg.algorithm.dpo
+        actor = roles.actor
         micro = self.cfg.algorithm.micro_batch_size or len(pairs)
-        scale = p.world / total_pairs  # FSDP averages gradients over the p.world ranks
+        scale = self.seat.world / total_pairs  # FSDP averages gradients over the p.world ranks
         actor.model.train()  # type: ignore[union-attr]
         actor.optimizer.zero_grad(set_to_none=True)  # type: ignore[union-attr]
         parts: list[PreferenceLoss] = []
@@ -78,7 +79,7 @@ class DPOTrainer(StepCounters):
         micro_rows = [pairs[begin:begin + micro] for begin in range(0, len(pairs), micro)]
         ref_all = self.ref_logps(micro_rows, average)  # first, so an offloaded ref is resident once
         for rows, ref_logps in zip(micro_rows, ref_all, strict=True):
-            inputs = to_device(self.pairs.model_inputs(rows, p.roles.pad_id), p.roles.device)
+            inputs = to_device(self.pairs.model_inputs(rows, roles.pad_id), roles.device)
             mask = inputs["response_mask"]
             tokens = response_logprobs(actor.model, inputs, 1.0, chunk_tokens=actor.chunk_tokens,  # type: ignore[union-attr]
                                        remove_padding=actor.remove_padding)[0]  # type: ignore[union-attr]
@@ -97,12 +98,12 @@ class DPOTrainer(StepCounters):
     @torch.no_grad()
     def ref_logps(self, micro_rows: list[list[int]], average: bool) -> list[torch.Tensor]:
         """The reference's sequence log-probs of every micro-batch, in one resident pass."""
-        p = self.placement
-        actor, ref = p.roles.actor, p.roles.ref_model
+        roles = self.roles
+        actor, ref = roles.actor, roles.ref_model
         out = []
-        with p.roles.ref_offload.resident():
+        with roles.ref_offload.resident():
             for rows in micro_rows:
-                inputs = to_device(self.pairs.model_inputs(rows, p.roles.pad_id), p.roles.device)
+                inputs = to_device(self.pairs.model_inputs(rows, roles.pad_id), roles.device)
                 tokens = response_logprobs(ref, inputs, 1.0, chunk_tokens=actor.chunk_tokens,  # type: ignore[union-attr]
                                            remove_padding=actor.remove_padding)[0]  # type: ignore[union-attr]
                 out.append(sequence_logps(tokens, inputs["response_mask"], average))

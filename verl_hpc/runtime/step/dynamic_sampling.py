@@ -9,9 +9,9 @@ such groups and keeps generating rounds of new prompts until the batch holds
 How every placement gets the same batch: each trainer rank filters its own rows (the
 estimator keeps a group's rows on one rank), the kept rows of all ranks are gathered,
 ordered by (round, group, sample), cut to the batch, renumbered as groups 0..G-1 and
-handed out by the usual layout (`placement.rows()`), so the update sees a batch laid out
+handed out by the usual layout (this rank's `Seat.rows`), so the update sees a batch laid out
 exactly like an unfiltered one. The rounds are driven from here; a rollout group of its
-own is told by the leader whether another round follows (`placement.request_round`).
+own is told by the leader whether another round follows (`Stages.next_round`).
 """
 
 from __future__ import annotations
@@ -19,9 +19,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from verl_hpc.config import RunConfig
 from verl_hpc.data.prompts import PromptSampler
 from verl_hpc.data.rollout_batch import RolloutBatch
-from verl_hpc.runtime.placement.one_process import Placement, Timer
+from verl_hpc.runtime.step.counters import Timer
+from verl_hpc.runtime.step.stages import Collectives, Stages
 
 
 def informative_rows(batch: RolloutBatch) -> np.ndarray:
@@ -37,38 +39,39 @@ def informative_rows(batch: RolloutBatch) -> np.ndarray:
     return np.nonzero(keep)[0]
 
 
-def filtered_rollouts(p: Placement, step: int, indices: list[int], policy_version: int, timer: Timer,
+def filtered_rollouts(cfg: RunConfig, stages: Stages, collectives: Collectives, rows_here: list[int], step: int,
+                      indices: list[int], policy_version: int, timer: Timer,
                       sampler: PromptSampler) -> tuple[RolloutBatch | None, dict[str, float]]:
-    """This rank's rows of a batch of informative groups, and the rounds' counts."""
-    cfg = p.cfg
+    """This rank's rows (`rows_here`) of a batch of informative groups, and the rounds' counts."""
     group_size = cfg.algorithm.sampling.n
     needed = cfg.trainer.batch_size // group_size
     kept: list[tuple[int, bytes]] = []  # (round, Arrow IPC of this rank's kept rows)
     have, generated = 0, 0
     for round_ in range(cfg.algorithm.filter_groups.max_num_gen_batches):
         if round_:
-            p.request_round(True)
+            stages.next_round(True)
             indices = sampler.next_indices()
-        batch = p.rollouts(step, indices, policy_version, timer, round_=round_)
+        batch = stages.rollouts(step, indices, policy_version, timer, round_=round_)
         if batch is None:
             return None, {}
         rows = informative_rows(batch)
         kept.append((round_, batch.take(rows).to_ipc()))
-        counts = p.reduce_sum(torch.tensor([len(rows), len(batch)], dtype=torch.float64))
+        counts = collectives.reduce_sum(torch.tensor([len(rows), len(batch)], dtype=torch.float64))
         have += int(counts[0]) // group_size
         generated += int(counts[1]) // group_size
         if have >= needed:
             break
-    p.request_round(False)
+    stages.next_round(False)
     if have < needed:
         raise RuntimeError(
             f"step {step}: {have} of {needed} prompt groups had scores that were not all equal after "
             f"{cfg.algorithm.filter_groups.max_num_gen_batches} generation rounds (hint: raise "
             "algorithm.filter_groups.max_num_gen_batches, or check that the reward can tell responses apart)")
-    full = _ordered_batch([part for parts in p.gather_to_all(kept) for part in parts], needed, group_size, step)
+    full = _ordered_batch([part for parts in collectives.gather_to_all(kept) for part in parts], needed, group_size,
+                          step)
     metrics = {"filter_groups/num_gen_batches": float(len(kept)),
                "filter_groups/dropped_groups": float(generated - have), "filter_groups/kept_groups": float(needed)}
-    return full.take(p.rows()), metrics
+    return full.take(rows_here), metrics
 
 
 def _ordered_batch(parts: list[tuple[int, bytes]], groups: int, n: int, step: int) -> RolloutBatch:

@@ -2,10 +2,11 @@
 
 Why one loop: this file is the algorithm a reader checks against the GRPO and PPO papers,
 and it is the same code for one process, a colocated hybrid engine and split role groups.
-Where each stage runs is the placement's business (runtime/placement/); what an estimator
-needs is the registry's (verl_hpc.algo); when to save, stop or resume is the lifecycle's
-(runtime/lifecycle.py). Every trainer rank runs `train_step` on its own rows of the step;
-a rank that hosts no trainer runs its role's part of the same step (`placement.serve`).
+Where each stage runs is the placement's business (the `Stages` it implements,
+step/stages.py); what an estimator needs is the registry's (verl_hpc.algo); when to save,
+stop or resume is the lifecycle's (runtime/lifecycle.py). Every trainer rank runs
+`train_step` on its own rows of the step; a rank that hosts no trainer runs its role's part
+of the same step (`Service.serve`).
 """
 
 from __future__ import annotations
@@ -18,15 +19,11 @@ from verl_hpc.algo import AdvantageInputs, kl_penalty, token_level_rewards
 from verl_hpc.config import RunConfig
 from verl_hpc.data.prompts import PromptSampler
 from verl_hpc.data.rollout_batch import RolloutBatch
-from verl_hpc.metrics import memory_metrics
-from verl_hpc.roles.forward import to_device
-from verl_hpc.runtime.placement.one_process import Placement, Timer
 from verl_hpc.runtime.state.seeding import reseed
-from verl_hpc.runtime.step.counters import StepCounters
+from verl_hpc.runtime.step.counters import StepCounters, Timer
 from verl_hpc.runtime.step.dynamic_sampling import filtered_rollouts
 from verl_hpc.runtime.step.metrics import data_metrics_reduced, perf_metrics, prefixed, sync_metrics
-
-UPDATE_COLUMNS = ("advantages", "returns", "token_rewards", "ref_logprobs", "old_logprobs", "values")
+from verl_hpc.runtime.step.stages import Placement, Stages, StepData, SyncReport
 
 
 class RLTrainer(StepCounters):
@@ -34,80 +31,85 @@ class RLTrainer(StepCounters):
 
     progress_metric = ("score", "critic/score/mean")  # what the progress line shows
 
-    def __init__(self, cfg: RunConfig, placement: Placement, sampler: PromptSampler,
-                 on_stage: Any = None):
+    def __init__(self, cfg: RunConfig, placement: Placement, sampler: PromptSampler, on_stage: Any = None):
         super().__init__(on_stage)
         self.cfg, self.placement, self.sampler = cfg, placement, sampler
-        placement.attach_sampler(sampler)  # a rollout group draws the prompts of extra sampling rounds
+        self.seat, self.collectives, self.lifecycle = placement.seat, placement.collectives, placement.lifecycle
         self.last_batch: RolloutBatch | None = None  # the leader's rows of the latest step
+
+    @property
+    def stages(self) -> Stages:
+        assert self.placement.stages is not None, "a serving rank has no trainer stages"
+        return self.placement.stages
 
     def next_step(self) -> dict[str, float] | None:
         """Advance one step; the step's metrics (a serving rank: its own part's), None when told to stop."""
         self.step += 1
-        reseed(self.cfg.trainer.seed, self.step, self.placement.seed_stream())
+        reseed(self.cfg.trainer.seed, self.step, self.seat.stream)
         indices = self.sampler.next_indices()
-        if not self.placement.trains:
+        service = self.placement.service
+        if service is not None:
             timer = self.timer()
             with timer("step"):
-                serving = self.placement.serve(self.step, indices, timer)
-            return self.placement.serve_metrics(timer) if serving else None
+                serving = service.serve(self.step, indices, timer, self.sampler)
+            return service.serve_metrics(timer) if serving else None
         return self.train_step(indices)
 
     def train_step(self, indices: list[int]) -> dict[str, float] | None:
-        cfg, p, timer = self.cfg, self.placement, self.timer()
-        algo = cfg.algorithm
+        algo, stages, timer = self.cfg.algorithm, self.stages, self.timer()
         with timer("step"):
             batch, round_metrics = self.collect_rollouts(indices, timer)
             if batch is None:
                 return None
             lag = self.policy_version - min(batch.column("policy_version").to_pylist())
-            inputs = to_device(batch.model_inputs(p.roles.pad_id), p.roles.device)
-            self.forward_passes(batch, inputs, timer)
+            data = stages.step_data(batch)
+            self.forward_passes(data, timer)
             with timer("adv"):
-                self.add_advantages(batch, inputs)
+                self.add_advantages(data)
             train_metrics: dict[str, float] = dict(round_metrics)
-            intake = p.intake_metrics()  # rank 0's own counts: not averaged with the others' below
+            intake = stages.intake_metrics()  # rank 0's own counts: not averaged with the others' below
             if algo.needs_critic:
                 with timer("update_critic"):
-                    train_metrics.update(prefixed("critic", p.update_critic(batch, inputs)))
+                    train_metrics.update(prefixed("critic", stages.update_critic(data)))
             update_actor = self.step > algo.critic_warmup_steps
+            first_logprobs = None
             if update_actor:
                 with timer("update_actor"):
-                    train_metrics.update(prefixed("actor", p.roles.actor.update(inputs, p.plan())))
+                    update = stages.update_actor(data)
+                train_metrics.update(prefixed("actor", update.metrics))
+                first_logprobs = update.first_logprobs
                 self.policy_version += 1
-            train_metrics.update(self.rollout_probs_diff(batch, inputs))
+            train_metrics.update(self.rollout_probs_diff(data, first_logprobs))
             with timer("update_weights"):
-                sync_bytes = p.sync_weights(self.policy_version, changed=update_actor)
-        if cfg.data.record_rollouts:  # the rows leave this rank: carry the step's columns
-            batch = batch.with_columns(**{k: inputs[k] for k in UPDATE_COLUMNS if k in inputs})
-        p.record(self.step, batch)
-        metrics = self.step_metrics(batch, inputs, p.mean_metrics(train_metrics), timer, sync_bytes)
+                sync = stages.sync_weights(self.policy_version, update_actor, self.step)
+        if self.cfg.data.record_rollouts:  # the rows leave this rank: carry the step's columns
+            batch = batch.with_columns(**data.added())
+        self.lifecycle.record(self.step, batch)
+        metrics = self.step_metrics(data, self.collectives.mean_metrics(train_metrics), timer, sync)
         return {**metrics, **intake, "rollout/policy_lag": float(lag)} if metrics else metrics
 
     def collect_rollouts(self, indices: list[int], timer: Timer) -> tuple[RolloutBatch | None, dict[str, float]]:
         """This rank's scored rows of the step: one generation round, or DAPO's dynamic sampling."""
-        p = self.placement
         if not self.cfg.algorithm.filter_groups.enable:
-            return p.rollouts(self.step, indices, self.policy_version, timer), {}
-        return filtered_rollouts(p, self.step, indices, self.policy_version, timer, self.sampler)
+            return self.stages.rollouts(self.step, indices, self.policy_version, timer), {}
+        return filtered_rollouts(self.cfg, self.stages, self.collectives, self.seat.rows, self.step, indices,
+                                 self.policy_version, timer, self.sampler)
 
-    def forward_passes(self, batch: RolloutBatch, inputs: dict[str, torch.Tensor], timer: Timer) -> None:
+    def forward_passes(self, data: StepData, timer: Timer) -> None:
         """Reference and old logprobs, critic values: what the estimator and losses will read."""
-        algo, p = self.cfg.algorithm, self.placement
+        algo, stages = self.cfg.algorithm, self.stages
         if algo.needs_ref:
             with timer("ref"):
-                inputs["ref_logprobs"] = p.ref_logprobs(batch, inputs)
-        rows = inputs["input_ids"].shape[0]
+                data.ref_logprobs = stages.ref_logprobs(data)
         # The in-reward KL compares the sampling policy with the reference: it needs the old logprobs.
-        if algo.kl.in_reward or p.roles.actor.old_logprobs_needed(p.plan(), rows):  # type: ignore[union-attr]
+        if algo.kl.in_reward or stages.needs_old_logprobs(data):
             with timer("old_log_prob"):
-                inputs["old_logprobs"] = p.roles.actor.compute_logprobs(  # type: ignore[union-attr]
-                    inputs, p.plan().micro_batch_size, p.plan().token_budget)
+                data.old_logprobs = stages.old_logprobs(data)
         if algo.needs_critic:
             with timer("values"):
-                inputs["values"] = p.values(batch, inputs)
+                data.values = stages.values(data)
 
-    def rollout_probs_diff(self, batch: RolloutBatch, inputs: dict[str, torch.Tensor]) -> dict[str, float]:
+    def rollout_probs_diff(self, data: StepData, first_logprobs: torch.Tensor | None) -> dict[str, float]:
         """|p_engine - p_trainer| of the sampled tokens (verl's `training/rollout_probs_diff_*`).
 
         Why every step: an engine that silently stops following the weight updates (a stale
@@ -115,64 +117,56 @@ class RLTrainer(StepCounters):
         its own samples drift from the trainer's, and this shows it at once. The trainer side
         is the old-logprob pass when one ran, else the update's own first forward.
         """
-        actor = self.placement.roles.actor
-        trainer = inputs.get("old_logprobs", actor.sampled_logprobs)  # type: ignore[union-attr]
-        if trainer is None or not batch.has("rollout_logprobs"):
+        trainer = data.old_logprobs if data.old_logprobs is not None else first_logprobs
+        if trainer is None or not data.batch.has("rollout_logprobs"):
             return {}
-        mask = inputs["response_mask"]
-        engine = batch.token_tensor("rollout_logprobs", mask.shape[1]).to(mask.device)
+        mask = data.response_mask
+        engine = data.batch.token_tensor("rollout_logprobs", mask.shape[1]).to(mask.device)
         diff = (engine.exp() - trainer.float().exp()).abs() * mask
-        p = self.placement
-        total = p.reduce_sum(torch.stack([diff.sum(), mask.sum()]).double().cpu())
-        largest = p.reduce_max(diff.max().reshape(1).double().cpu())
+        total = self.collectives.reduce_sum(torch.stack([diff.sum(), mask.sum()]).double().cpu())
+        largest = self.collectives.reduce_max(diff.max().reshape(1).double().cpu())
         return {"training/rollout_probs_diff_mean": float(total[0] / total[1].clamp(min=1)),
                 "training/rollout_probs_diff_max": float(largest[0])}
 
-    def add_advantages(self, batch: RolloutBatch, inputs: dict[str, torch.Tensor]) -> None:
-        algo, mask = self.cfg.algorithm, inputs["response_mask"]
+    def add_advantages(self, data: StepData) -> None:
+        algo, mask, batch = self.cfg.algorithm, data.response_mask, data.batch
         scores = batch.scores().to(mask.device)
         kl = None
         if algo.kl.in_reward:
-            kl = kl_penalty(inputs["old_logprobs"], inputs["ref_logprobs"], algo.kl.estimator)
+            kl = kl_penalty(data.old_logprobs, data.ref_logprobs, algo.kl.estimator)
         token_rewards = token_level_rewards(scores, mask, kl, algo.kl.coef if kl is not None else 0.0)
         group_ids = torch.from_numpy(batch.column("group_id").to_numpy()).to(mask.device)
         advantages, returns = algo.estimator.compute(AdvantageInputs(
             scores=scores, group_ids=group_ids, response_mask=mask, token_rewards=token_rewards,
-            values=inputs.get("values"), algo=algo, reduce_sum=self.placement.reduce_sum,
+            values=data.values, algo=algo, reduce_sum=self.collectives.reduce_sum,
             baselines=batch.baseline_scores().to(mask.device) if algo.estimator.greedy_baseline else None))
-        inputs.update(advantages=advantages.float(), returns=returns.float(), token_rewards=token_rewards.float())
+        data.advantages, data.returns, data.token_rewards = advantages.float(), returns.float(), token_rewards.float()
 
-    def step_metrics(self, batch: RolloutBatch, inputs: dict[str, torch.Tensor], train_metrics: dict[str, float],
-                     timer: Timer, sync_bytes: int) -> dict[str, float]:
+    def step_metrics(self, data: StepData, train_metrics: dict[str, float], timer: Timer,
+                     sync: SyncReport) -> dict[str, float]:
         """verl's metric names, over the whole step (leader), {} on the other trainer ranks.
 
         Why reductions: the data statistics are sums and extremes over rows, so every trainer
         rank reduces partials of its own rows (collectives: all of them call this) rather than
         sending its rows to the leader, which at many nodes funnels the step through rank 0.
         """
-        p, cfg = self.placement, self.cfg
-        data = data_metrics_reduced(batch.scores(), inputs, cfg.algorithm.sampling.max_new_tokens,
-                                    p.reduce_sum, p.reduce_max)
-        if not p.is_leader:
+        c = self.collectives
+        stats = data_metrics_reduced(data.batch.scores(), data.tensors(), self.cfg.algorithm.sampling.max_new_tokens,
+                                     c.reduce_sum, c.reduce_max)
+        if not self.seat.is_leader:
             return {}
-        self.last_batch = batch  # the leader's own rows: the samples TensorBoard shows
-        actor = p.roles.actor
-        actor.allocator.probe()  # type: ignore[union-attr]
-        step_seconds, total_tokens = timer.seconds["timing_s/step"], data.pop("perf/total_num_tokens")
-        metrics = {**data, **train_metrics, **timer.seconds, **perf_metrics(total_tokens, step_seconds),
-                   **memory_metrics(p.roles.device), **actor.allocator.metrics(),  # type: ignore[union-attr]
-                   "actor/policy_version": float(self.policy_version)}
-        if sync_bytes or p.last_sync_bytes:
-            metrics.update(sync_metrics(sync_bytes, timer.seconds.get("timing_s/update_weights", 0.0),
-                                        overlapped=p.sync_overlapped))
-        reward = p.roles.reward
-        if reward is not None and hasattr(reward, "metrics"):
-            metrics.update(reward.metrics())
+        self.last_batch = data.batch  # the leader's own rows: the samples TensorBoard shows
+        step_seconds, total_tokens = timer.seconds["timing_s/step"], stats.pop("perf/total_num_tokens")
+        metrics = {**stats, **train_metrics, **timer.seconds, **perf_metrics(total_tokens, step_seconds),
+                   **self.stages.role_metrics(), "actor/policy_version": float(self.policy_version)}
+        if sync.bytes:
+            metrics.update(sync_metrics(sync.bytes, timer.seconds.get("timing_s/update_weights", 0.0),
+                                        overlapped=sync.overlapped))
         return metrics
 
     def samples_text(self, batch: RolloutBatch) -> str:
         count = min(self.cfg.logging.num_samples, len(batch))
-        decode = self.placement.roles.tokenizer.decode
+        decode = self.stages.decode
         rows = [f"| `{decode(p)}` | `{decode(r, skip_special_tokens=True)}` | {s:.3f} |" for p, r, s in zip(
             batch.column("prompt_ids").to_pylist()[:count], batch.column("response_ids").to_pylist()[:count],
             batch.scores().tolist()[:count], strict=True)]

@@ -20,7 +20,7 @@ from verl_hpc.roles.allocator import generate_guarded
 
 if TYPE_CHECKING:
     from verl_hpc.runtime.build import Roles
-    from verl_hpc.runtime.placement.one_process import Placement
+    from verl_hpc.runtime.step.stages import Collectives, Stages
 
 DEFAULT_SOURCE = "val"  # rows whose file has no data_source column
 
@@ -68,17 +68,18 @@ def validation_rows(roles: Roles, cfg: RunConfig, start: int, end: int, policy_v
     return batch
 
 
-def validate(placement: Placement, policy_version: int, step: int) -> dict[str, float]:
+def validate(cfg: RunConfig, stages: Stages, collectives: Collectives, policy_version: int,
+             step: int) -> dict[str, float]:
     """Trainer ranks: this rank's rows generated and scored; the leader returns the metrics ({} elsewhere)."""
-    batch = placement.validation_rollouts(step, policy_version)
-    scored = placement.score_validation(batch)
+    batch = stages.validation_rollouts(step, policy_version)
+    scored = stages.score_validation(batch)
     sums: dict[str, list[float]] = {}
     sources = scored.column("data_source").to_pylist() if len(scored) else []
     for source, score in zip(sources, scored.column("score").to_pylist() if len(scored) else [], strict=True):
         entry = sums.setdefault(source or DEFAULT_SOURCE, [0.0, 0.0])
         entry[0] += float(score)
         entry[1] += 1.0
-    parts = placement.gather_to_leader(sums)
+    parts = collectives.gather_to_leader(sums)
     if parts is None:
         return {}
     merged: dict[str, list[float]] = {}
@@ -87,5 +88,5 @@ def validate(placement: Placement, policy_version: int, step: int) -> dict[str, 
             entry = merged.setdefault(source, [0.0, 0.0])
             entry[0] += total
             entry[1] += count
-    n = placement.cfg.trainer.val_n
+    n = cfg.trainer.val_n
     return {f"val-core/{source}/reward/mean@{n}": total / count for source, (total, count) in sorted(merged.items())}

@@ -36,6 +36,7 @@ import pyarrow.flight as flight
 
 from verl_hpc.data.rollout_batch import RolloutBatch
 from verl_hpc.transport.rollouts import wire
+from verl_hpc.transport.rollouts.base import RolloutReceiver, RolloutSender
 from verl_hpc.transport.rollouts.buffer import RolloutBuffer
 from verl_hpc.transport.rollouts.local import LocalRolloutServer, LocalRoute, enabled, reachable_path
 from verl_hpc.transport.rollouts.stream import IdleCloser, ProducerStream
@@ -43,7 +44,7 @@ from verl_hpc.transport.rollouts.stream import IdleCloser, ProducerStream
 log = logging.getLogger(__name__)
 
 
-class RolloutFlightServer(flight.FlightServerBase):
+class RolloutFlightServer(flight.FlightServerBase, RolloutReceiver):
     """Trainer-side Flight endpoint plus the in-process consumer API (`get`, `qsize`).
 
     Lifecycle: pyarrow starts listening (on gRPC's own threads) as soon as the object
@@ -194,7 +195,7 @@ class RolloutFlightServer(flight.FlightServerBase):
         self.shutdown()
 
 
-class RolloutFlightClient:
+class RolloutFlightClient(RolloutSender):
     """Worker-side pusher: numbered, authenticated, retried puts to one trainer.
 
     Why the client numbers puts: the server's dedup key is (producer_id, sequence_no),

@@ -9,10 +9,10 @@ batch and puts each part to its owner. Whole prompt groups land on one rank when
 estimator needs them to (`whole_groups`, checked by the config), so group advantages need
 no gather. A rank receives only its own rows: O(batch / W) bytes per rank per step.
 
-What each side holds:
-- `TrainerIntake` (every trainer rank): its server, and the batches it has received,
+What each side holds (through the transport's two ends, base.py):
+- `TrainerIntake` (every trainer rank): its receiver, and the batches it has received,
   filed by step key until it has all `expected` rows of a key.
-- `RolloutRouter` (every rollout rank): one client per trainer rank; `put` sends each
+- `RolloutRouter` (every rollout rank): one sender per trainer rank; `put` sends each
   owner its part at the same time, skipping ranks that get no rows of this batch.
 
 The dedup, back-pressure and reconnect guarantees are the transport's own
@@ -29,6 +29,7 @@ import numpy as np
 import pyarrow as pa
 
 from verl_hpc.data.rollout_batch import SCHEMA, RolloutBatch
+from verl_hpc.transport.rollouts.base import RolloutSender
 
 BUFFER_FILE = "rollout_buffer.arrow"  # a rank's rollouts generated ahead (max_staleness > 0), Arrow IPC
 
@@ -142,7 +143,7 @@ class RolloutRouter:
         from verl_hpc.transport.rollouts import RolloutFlightClient
 
         local_locations = local_locations or [None] * len(locations)
-        self.clients = [RolloutFlightClient(loc, token=token, producer_id=producer_id, local_location=local)
+        self.clients: list[RolloutSender] = [RolloutFlightClient(loc, token=token, producer_id=producer_id, local_location=local)
                         for loc, local in zip(locations, local_locations, strict=True)]
         self._senders: ThreadPoolExecutor | None = None
 

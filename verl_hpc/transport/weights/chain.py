@@ -8,7 +8,7 @@ Buckets are pipelined: a rollout rank forwards bucket k while it receives bucket
 so the sync takes about (model + (R - 1) * bucket) / bandwidth instead of log2(R + 1) * model
 / bandwidth (NeMo-RL and OpenRLHF chain or shard their refits for the same reason).
 
-Each link is a two-rank process group (runtime/dist.py makes them, collectively, at the
+Each link is a two-rank process group (runtime/process/dist.py makes them, collectively, at the
 start); a broadcast inside a pair is one send. The header (version, sizes, or STOP) still
 goes to every receiver at once over the whole sync group: it is tiny, and STOP must reach
 the last rank even if no data follows.

@@ -1,10 +1,10 @@
-"""Trainer rank 0's side of a split run's weight syncs: flat when it can be, then overlapped.
+"""The trainer ranks' ends of a split run's weight syncs (base.py): broadcast, own rows, or a join.
 
 Why a sender object: a lone (unsharded, float32, adapter-free) actor can keep its
 parameters in one buffer laid out in sync order, so every bucket is a view of the live
 weights — nothing is packed (`flatten_sender`) and nothing must stay in memory for the
 transfer. The sync can then be left in flight while the trainer goes on with the next
-step (ref and old log-probs, forward and backward), which is issue 19's "overlapped with
+step (ref and old log-probs, forward and backward): a weight sync "overlapped with
 the next step": on a cluster the bytes cross the NIC while the GPUs compute. The one
 thing that must not happen meanwhile is a change to the weights being read, so the
 sender hooks the actor's optimizer: its next `step()` first waits for the sync
@@ -17,12 +17,18 @@ from __future__ import annotations
 from datetime import timedelta
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from verl_hpc.transport.weights.bucketed import DEFAULT_BUCKET_BYTES, post_weights
-from verl_hpc.transport.weights.chain import Relay
+from verl_hpc.transport.weights.base import SyncLinks, WeightSender
+from verl_hpc.transport.weights.bucketed import (
+    DEFAULT_BUCKET_BYTES,
+    join_send_gathers,
+    post_weights,
+    send_header,
+    send_plan,
+)
 from verl_hpc.transport.weights.flat import flatten_params
+from verl_hpc.transport.weights.shard import send_shards, shard_sendable
 from verl_hpc.transport.weights.views import has_adapters
 from verl_hpc.transport.weights.window import SyncInFlight
 
@@ -44,24 +50,58 @@ def flatten_sender(model: nn.Module) -> bool:
     return flatten_params(model) is not None
 
 
-class WeightSender:
-    """Sends `model`'s weights each sync; with a flat actor, leaves each sync in flight until
-    `optimizer`'s next step (or the next sync, or `settle`)."""
+class BroadcastSender(WeightSender):
+    """The leader sends `model`'s weights each sync over the sync group (down the chain when there
+    is one); with a flat actor, leaves each sync in flight until `optimizer`'s next step (or the
+    next sync, or `settle`)."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None, links: SyncLinks,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES):
-        self.model, self.bucket_bytes = model, bucket_bytes
+        self.model, self.links, self.bucket_bytes = model, links, bucket_bytes
         self.in_flight = SyncInFlight()
         self.overlaps = optimizer is not None and flatten_sender(model)
         if self.overlaps:
             optimizer.register_step_pre_hook(lambda *_: self.in_flight.wait())  # type: ignore[union-attr]
 
-    def send(self, group: dist.ProcessGroup, src: int, version: int, relay: Relay | None = None) -> int:
+    def send(self, version: int) -> int:
         """Post version `version` (the previous sync finished first); returns the bytes it moves."""
         self.in_flight.wait()
-        _, sent, self.in_flight = post_weights(self.model, group, src, version, self.bucket_bytes, relay)
+        _, sent, self.in_flight = post_weights(self.model, self.links.group, self.links.src, version,  # type: ignore[arg-type]
+                                               self.bucket_bytes, self.links.relay)
         return sent
 
     def settle(self, timeout: timedelta | None = None) -> None:
-        """The sync in flight, finished (`timeout`: at shutdown, when the receivers may be gone)."""
         self.in_flight.wait(timeout)
+
+
+class ShardSender(WeightSender):
+    """Every trainer rank of an FSDP2 actor in host memory sends its own rows (the leader first
+    sends the header), straight to the first rollout rank over its pair group: no gather."""
+
+    def __init__(self, model: nn.Module, links: SyncLinks, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+        self.model, self.links, self.bucket_bytes = model, links, bucket_bytes
+
+    def send(self, version: int) -> int:
+        if self.links.group is not None:
+            send_header(self.model, self.links.group, self.links.src, version)
+        return send_shards(self.model, send_plan(self.model, self.bucket_bytes), self.links.shard_link)
+
+
+class GatherJoin(WeightSender):
+    """A trainer rank outside the sync group: it joins the gathers the leader's send needs, sends nothing."""
+
+    def __init__(self, model: nn.Module, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+        self.model, self.bucket_bytes = model, bucket_bytes
+
+    def send(self, version: int) -> int:
+        join_send_gathers(self.model, self.bucket_bytes)
+        return 0
+
+
+def weight_sender(model: nn.Module, optimizer: torch.optim.Optimizer | None, links: SyncLinks) -> WeightSender:
+    """Which end this trainer rank is (base.py): its own rows, the leader's broadcast, or a gather's join."""
+    if links.shard_link is not None and shard_sendable(model):
+        return ShardSender(model, links)
+    if links.group is None:
+        return GatherJoin(model)
+    return BroadcastSender(model, optimizer, links)
