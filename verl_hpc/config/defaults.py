@@ -3,7 +3,7 @@
 Why a dict in the package and not a read of `configs/quickstart.yaml`: an installed
 package has no `configs/` folder, yet `HybridTrainer(config=load_resource_config(...))`
 (the resources-only form) still needs a model, data, a reward and an algorithm.
-`tests/test_facade.py` keeps this equal to `configs/quickstart.yaml`.
+`tests/launch/test_facade.py` keeps this equal to `configs/quickstart.yaml`.
 """
 
 from __future__ import annotations

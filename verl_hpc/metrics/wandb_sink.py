@@ -12,7 +12,7 @@ the same wandb run (`resume="allow"`), and two processes of one job never share 
 Resume: wandb cannot rewind a run's history from the SDK (the "rewind" feature is a server
 preview). Each attempt writes its own offline directory with the same id, and the steps
 between the checkpoint and the crash are logged again with the same step numbers, so the
-local files hold both attempts' values (checked by tests/test_metric_sinks.py). Online,
+local files hold both attempts' values (checked by tests/metrics/test_metric_sinks.py). Online,
 the SDK resumes at the server's last step and drops any step at or below it with a
 warning: there the first attempt's values are the ones kept. metrics.jsonl and TensorBoard
 (purged at the checkpoint) hold the later attempt's values.

@@ -12,7 +12,7 @@ one number per token, as the checkpoint did.
 
 The numbers: log-probs are `gather - logsumexp` of the same logits, bit for bit the
 whole path's; gradients agree with autograd's to float rounding
-(tests/test_chunked_logprobs.py). An entropy bonus needs the entropy's own gradient and
+(tests/roles/test_chunked_logprobs.py). An entropy bonus needs the entropy's own gradient and
 keeps the checkpointed autograd path (forward.py); as a metric the entropy is computed
 here from the same logits, `-sum(p * log p)`, without autograd.
 """

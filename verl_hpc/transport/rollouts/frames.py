@@ -2,8 +2,8 @@
 
 Why apart from `local.py`: these are the bytes both ends must agree on and the loops that
 read and write them whole, kept free of the server's threads and the buffer's contract,
-so a second receiver (bench/native_receiver.py's, with no Python in its loop) reads the
-hello and the schema with the same code before it takes over a connection.
+so a second receiver (a native one, say) reads the hello and the schema with the same
+code before it takes over a connection.
 
 After the hello (`HELLO`: magic, token bytes, producer id bytes; answered b"\\x00" when the
 token is the run's, b"\\x01" when not), frames of `FRAME` (sequence, kind, length) + one IPC

@@ -2,12 +2,12 @@
 
 Why: on one node, Flight's gRPC costs more than the bytes. Each message pays HTTP/2
 framing, hand-offs between gRPC's and Python's threads, and a receive-side join of the
-slices into one buffer (docs/benchmarks.md: 0.2 of a raw socket at 64 KB, 0.6 at 1 MB).
+slices into one buffer (docs/benchmarks.md, rollout transport).
 A producer whose trainer endpoint is on its own node therefore sends the same Arrow IPC
 messages over a Unix socket in a private (0700) directory instead. Flight stays for
 other nodes.
 
-What does not change (same tests, `tests/test_transport_local.py`):
+What does not change (same tests, `tests/transport/test_transport_local.py`):
 - the run's secret: the first message of a connection carries it, compared in constant time;
 - the schema check, once per connection, before any of its batches is enqueued;
 - the server's `RolloutBuffer`: dedup by (producer, sequence), blocking when full, ack
