@@ -31,6 +31,26 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(entry)
 
 
+class _CurrentStderr(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to whatever sys.stderr is at emit time, not the object it was at set-up.
+
+    Why: a handler bound to the stderr of its day writes into a closed stream once that
+    stream is swapped (a test's capture, a daemonised worker) and every later record becomes
+    a logging error on the terminal.
+    """
+
+    def __init__(self) -> None:
+        super().__init__(sys.stderr)
+
+    @property  # type: ignore[override]
+    def stream(self):  # noqa: ANN201 - logging's own attribute
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value: object) -> None:
+        pass
+
+
 def setup_logging(log_dir: str | Path | None, role: str = "trainer", rank: int = 0,
                   level: str = "info", console: bool = True) -> logging.Logger:
     """(Re)configure the package logger: a JSONL file per role/rank, plus plain console lines."""
@@ -47,7 +67,7 @@ def setup_logging(log_dir: str | Path | None, role: str = "trainer", rank: int =
         file_handler.setFormatter(JsonFormatter(role, rank))
         logger.addHandler(file_handler)
     if console:
-        stream = logging.StreamHandler(sys.stderr)
+        stream = _CurrentStderr()
         stream.setFormatter(logging.Formatter(f"[%(levelname)s {role}:{rank}] %(message)s"))
         stream.setLevel(max(logger.level, logging.INFO))
         logger.addHandler(stream)
