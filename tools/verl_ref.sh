@@ -18,7 +18,7 @@ DIR=${VERL_REF_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/verl-hpc/verl-0.9.1}
 PY=${VERL_HPC_PYTHON:-.venv/bin/python}
 PINS=(verl==0.9.1 ray==2.60.0 tensordict==0.10.0 pyvers==0.1.0 omegaconf==2.3.0
       antlr4-python3-runtime==4.9.3 codetiming==1.4.0 msgpack==1.2.4 orjson==3.13.0)
-want="${PINS[*]}"
+want="${PINS[*]} (without verl's tests/)"
 if [ -f "$DIR/.installed" ] && [ "$(cat "$DIR/.installed")" = "$want" ]; then
   echo "$DIR"
   exit 0
@@ -29,6 +29,8 @@ rm -rf "$tmp"
 trap 'rm -rf "$tmp"' EXIT
 start=$(date +%s)
 "$PY" -m pip --disable-pip-version-check install -q --no-deps --target "$tmp" "${PINS[@]}" >&2
+# verl's wheel ships its own test suite as a top-level `tests` package, which would shadow ours
+rm -rf "$tmp/tests"
 PYTHONPATH="$tmp" "$PY" -c "import verl.trainer.ppo.core_algos, verl.utils.reward_score" >&2
 echo "$want" >"$tmp/.installed"
 rm -rf "$DIR"

@@ -40,8 +40,9 @@ def verl_reference_dir() -> Path:
 
 
 def run_beside_verl(args: list[str], with_project: bool = False) -> subprocess.CompletedProcess:
-    """`python ARGS` with verl first on PYTHONPATH (and this checkout after it when `with_project`)."""
-    paths = [str(verl_reference_dir())] + ([str(REPO)] if with_project else [])
+    """`python ARGS` with verl on PYTHONPATH (after this checkout when `with_project`: the reference
+    folder holds a stray top-level `tests` package of one of verl's needs, which must not shadow ours)."""
+    paths = ([str(REPO)] if with_project else []) + [str(verl_reference_dir())]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), "TOKENIZERS_PARALLELISM": "false",
            "RAY_USAGE_STATS_ENABLED": "0"}
     result = subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True,

@@ -48,7 +48,7 @@ def generate_rows(roles: Roles, cfg: RunConfig, step: int, indices: list[int], r
     dataset = roles.dataset
     batch = RolloutBatch.from_generation(
         prompt_ids, out.response_ids if out else [], out.logprobs if out else [], group_ids=groups,
-        prompt_index=prompt_index, ground_truth=[dataset.answers[i] for i in prompt_index],
+        prompt_index=prompt_index, ground_truth=[dataset.ground_truths[i] for i in prompt_index],
         policy_version=policy_version, step=step, sample_index=samples,
         data_source=[dataset.data_sources[i] for i in prompt_index],
         extra_info=[dataset.extra_infos[i] for i in prompt_index])
