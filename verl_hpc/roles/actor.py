@@ -44,8 +44,9 @@ class UpdatePlan:
 
     @classmethod
     def from_config(cls, algo: AlgorithmConfig, batch_size: int, world: int = 1) -> UpdatePlan:
-        """`batch_size` is the step's global batch; the plan is for one of `world` ranks."""
-        mini = (algo.mini_batch_size or batch_size) // world
+        """`batch_size` is the step's global batch (a smaller one is one mini-batch); the plan is for
+        one of `world` ranks."""
+        mini = min(algo.mini_batch_size or batch_size, batch_size) // world
         return cls(mini, min(algo.micro_batch_size or mini, mini), algo.ppo_epochs, algo.token_budget)
 
     def single_pass(self, batch_size: int) -> bool:
