@@ -126,6 +126,16 @@ def read_schema(path: str | Path):  # -> pa.Schema
     return read_table(path).schema
 
 
+def count_rows(path: str | Path) -> int:
+    """Rows of a prompt file, reading as little as the format allows (Parquet: the footer only)."""
+    path = Path(path)
+    if path.suffix == ".parquet" and not path.is_dir():
+        import pyarrow.parquet as pq
+
+        return pq.ParquetFile(path).metadata.num_rows
+    return read_table(path).num_rows
+
+
 def read_columns(path: str | Path) -> list[str]:
     return list(read_schema(path).names)
 
