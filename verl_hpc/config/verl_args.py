@@ -93,7 +93,8 @@ def _classify(given: dict[str, Any]) -> tuple[list[tuple[str, Any, str]], dict[s
         if prefix is not None:
             prefixed[key] = value
             continue
-        why = IGNORED.get(key) or next((r for p, r in IGNORED.items() if p.endswith(".") and key.startswith(p)), None)
+        why = IGNORED.get(key) or next((r for p, r in IGNORED.items() if p.endswith("*") and key.startswith(p[:-1])),
+                                       None)
         if why is None:
             raise ConfigError(key, "is a verl key that maps to nothing in verl-hpc",
                               "remove it, or see docs/verl.md for the keys verl-hpc takes")
