@@ -54,7 +54,7 @@ def command_line(name: str, model: Path, data: Path, run_dir: Path) -> list[str]
     common = [f"data.train_files={data / 'train.parquet'}", f"data.val_files={data / 'val.parquet'}",
               "data.train_batch_size=16", "data.max_prompt_length=16", "data.max_response_length=4",
               f"actor_rollout_ref.model.path={model}", "actor_rollout_ref.model.enable_gradient_checkpointing=False",
-              "actor_rollout_ref.model.use_remove_padding=False", "actor_rollout_ref.actor.optim.lr=1e-3",
+              "actor_rollout_ref.model.use_remove_padding=False", "actor_rollout_ref.actor.optim.lr=5e-3",
               "actor_rollout_ref.actor.ppo_mini_batch_size=16", "actor_rollout_ref.actor.entropy_coeff=0.01",
               "actor_rollout_ref.actor.fsdp_config.param_offload=False", "actor_rollout_ref.rollout.name=hf",
               f"actor_rollout_ref.rollout.n={N[name]}", "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=64",
@@ -108,3 +108,11 @@ def test_verls_command_line_runs_here_and_learns(name: str, tmp_path: Path, tiny
     score = [r["critic/score/mean"] for r in rows]
     first, last = sum(score[:5]) / 5, sum(score[-5:]) / 5
     assert last > first + 0.1, " ".join(f"{x:.3f}" for x in score)
+
+
+def test_submit_dry_run_prints_the_one_slurm_job(tmp_path: Path, tiny_model_dir: Path, verl_data: Path) -> None:
+    proc = run_cli("verl", "--submit", "--dry-run", *command_line("grpo", tiny_model_dir, verl_data, tmp_path / "run"),
+                   "--set", "slurm.time=00:30:00")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "#SBATCH --job-name=grpo" in proc.stdout and "#SBATCH --time=00:30:00" in proc.stdout
+    assert str(tmp_path / "run") in proc.stdout and not (tmp_path / "run").exists()  # a dry run creates nothing

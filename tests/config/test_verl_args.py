@@ -42,7 +42,7 @@ REINFORCE_PP = ["algorithm.adv_estimator=reinforce_plus_plus", "data.train_batch
                 "actor_rollout_ref.actor.use_kl_loss=True", "actor_rollout_ref.actor.kl_loss_type=mse",
                 "actor_rollout_ref.actor.entropy_coeff=0", "actor_rollout_ref.rollout.n=8"]
 GSPO = ["algorithm.adv_estimator=grpo", "actor_rollout_ref.actor.policy_loss.loss_mode=gspo", "data.shuffle=true",
-        "data.train_batch_size=512", "actor_rollout_ref.rollout.n=16", "actor_rollout_ref.actor.clip_ratio_low=0.0003",
+        "data.train_batch_size=512", "actor_rollout_ref.rollout.n=16", "actor_rollout_ref.actor.clip_ratio_low=3e-4",
         "actor_rollout_ref.actor.clip_ratio_high=0.0004", "actor_rollout_ref.actor.ppo_mini_batch_size=128",
         "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean", "actor_rollout_ref.actor.use_dynamic_bsz=true",
         "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=20480", "actor_rollout_ref.rollout.mode=async",
@@ -124,6 +124,7 @@ def test_estimators_and_presets() -> None:
     assert dapo["trainer"]["actor_optim"]["warmup_steps"] == 10
     gspo = convert(GSPO)
     assert gspo["algorithm"]["policy_loss"] == "gspo" and gspo["trainer"]["actor_optim"]["warmup_steps"] == 25
+    assert gspo["algorithm"]["clip_ratio_low"] == 3e-4  # Hydra reads 3e-4 as a number, YAML 1.1 would not
     assert gspo["trainer"]["val_greedy"] is False
     assert convert(REINFORCE_PP)["algorithm"]["adv_estimator"] == "reinforce_pp"
 

@@ -75,11 +75,25 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
         if item.startswith("~") or not sep or not key or any(not part for part in key.split(".")):
             raise ConfigError(item, "is not a verl override of the form key.path=value",
                               "e.g. data.train_batch_size=256 (deleting keys with ~ is not supported)")
-        try:
-            given[key] = yaml.safe_load(raw) if raw != "" else ""
-        except yaml.YAMLError:
-            given[key] = raw
+        given[key] = hydra_value(raw)
     return given
+
+
+def hydra_value(raw: str) -> Any:
+    """A value as Hydra reads it: YAML, except that `1e-6` is a number (YAML 1.1 wants `1.0e-6`)."""
+    if raw == "":
+        return ""
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError:
+        return raw
+    if isinstance(value, str):
+        try:
+            return float(value) if any(c in value.lower() for c in ".e") and value.lower() not in ("inf", "nan") \
+                else int(value)
+        except ValueError:
+            return value
+    return value
 
 
 def _classify(given: dict[str, Any]) -> tuple[list[tuple[str, Any, str]], dict[str, Any]]:
