@@ -52,9 +52,13 @@ def test_on_exhausted_error_is_verls_and_default_trains(tiny_model_dir: Path) ->
     assert load_config(data=data).algorithm.filter_groups.on_exhausted == "error"
 
 
-def _run(tmp_path: Path, tiny_model_dir: Path, placement: str, on_exhausted: str) -> tuple[object, Path]:
-    reward = tmp_path / "few_informative.py"
-    reward.write_text(FEW_INFORMATIVE_REWARD)
+CONSTANT_REWARD = "def score(prompt, response, ground_truth, **_):\n    return 1.0\n"
+
+
+def _run(tmp_path: Path, tiny_model_dir: Path, placement: str, on_exhausted: str,
+         reward_code: str = FEW_INFORMATIVE_REWARD) -> tuple[object, Path]:
+    reward = tmp_path / "reward_under_test.py"
+    reward.write_text(reward_code)
     data = quick_dict(tiny_model_dir, steps=2)
     data["reward"] = {"function": f"{reward}:score"}
     data["algorithm"].update(name="dapo", mini_batch_size=16,
@@ -100,3 +104,19 @@ def test_on_exhausted_error_stops_the_run_as_verl_does(tmp_path: Path, tiny_mode
     proc, _ = _run(tmp_path, tiny_model_dir, "one_process", "error")
     assert proc.returncode != 0
     assert "after 2 generation rounds" in proc.stderr and "on_exhausted: train" in proc.stderr
+
+
+@pytest.mark.slow
+def test_no_informative_group_at_all_trains_the_last_round_as_generated(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """Every group scores all 1s: nothing to keep, so the step trains on its last round (GRPO's zero
+    advantages), says so, and the run goes on instead of stopping."""
+    proc, run = _run(tmp_path, tiny_model_dir, "one_process", "train", CONSTANT_REWARD)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = read_jsonl_metrics(run / "tensorboard" / "metrics.jsonl")
+    assert [(r["filter_groups/exhausted"], r["filter_groups/kept_groups"]) for r in rows] == [(1.0, 0.0)] * 2
+    assert all(r["filter_groups/num_gen_batches"] == 2 for r in rows)
+    for step in (1, 2):
+        files = sorted((run / "rollouts").glob(f"step_{step:08d}*"))
+        assert sum(len(RolloutBatch.from_ipc(f.read_bytes())) for f in files) == 32  # a full batch
+    logs = "".join(p.read_text() for p in (run / "logs").glob("*.log"))
+    assert "training on the last round's 8 groups as generated" in logs

@@ -16,8 +16,12 @@ own is told by the leader whether another round follows (`Stages.next_round`).
 When `max_num_gen_batches` rounds still hold too few informative groups (a policy that
 has learned most prompts), the step trains on the groups it found (`on_exhausted:
 train`): the largest number of them that every rank, and every role's group, can still
-split evenly (`trainable_groups`), with a warning and `filter_groups/exhausted` = 1.
-verl raises instead; `on_exhausted: error` does too.
+split evenly (`trainable_groups`), with a warning and `filter_groups/exhausted` = 1. When
+not even one group can (none was informative: a policy that answers every prompt the
+same way), the step trains on the last round's batch as generated, as GRPO without
+dynamic sampling would: no policy gradient where a group's scores are equal, the KL and
+entropy terms still act, and the run goes on. verl raises instead; `on_exhausted: error`
+does too.
 """
 
 from __future__ import annotations
@@ -63,7 +67,7 @@ def filtered_rollouts(cfg: RunConfig, stages: Stages, collectives: Collectives, 
         if round_:
             stages.next_round(True)
             indices = sampler.next_indices()
-        batch = stages.rollouts(step, indices, policy_version, timer, round_=round_)
+        batch = last = stages.rollouts(step, indices, policy_version, timer, round_=round_)
         if batch is None:
             return None, {}
         rows = informative_rows(batch)
@@ -75,18 +79,21 @@ def filtered_rollouts(cfg: RunConfig, stages: Stages, collectives: Collectives, 
             break
     stages.next_round(False)
     used = needed if have >= needed else _exhausted(cfg, seat, step, have, needed)
+    metrics = {"filter_groups/num_gen_batches": float(len(kept)),
+               "filter_groups/dropped_groups": float(generated - have), "filter_groups/kept_groups": float(used),
+               "filter_groups/exhausted": float(have < needed)}
+    if used == 0:  # the last round's rows, as generated for a full batch (the seat keeps its full layout)
+        return last, metrics
     full = _ordered_batch([part for parts in collectives.gather_to_all(kept) for part in parts], used, group_size,
                           step)
     if used < needed:
         seat.lay_out(cfg, len(full))
-    metrics = {"filter_groups/num_gen_batches": float(len(kept)),
-               "filter_groups/dropped_groups": float(generated - have), "filter_groups/kept_groups": float(used),
-               "filter_groups/exhausted": float(have < needed)}
     return full.take(seat.rows), metrics
 
 
 def _exhausted(cfg: RunConfig, seat: Seat, step: int, have: int, needed: int) -> int:
-    """The groups a step trains on when the rounds ran out: error, or the most that lay out evenly."""
+    """The informative groups a step trains on when the rounds ran out: error, or the most that lay
+    out evenly (0: none does, and the step trains on the last round as generated)."""
     rounds = cfg.algorithm.filter_groups.max_num_gen_batches
     found = f"step {step}: {have} of {needed} prompt groups had scores that were not all equal after {rounds} " \
             "generation rounds"
@@ -96,10 +103,11 @@ def _exhausted(cfg: RunConfig, seat: Seat, step: int, have: int, needed: int) ->
     n = cfg.algorithm.sampling.n
     used = trainable_groups(have, n, cfg.algorithm.mini_batch_size or cfg.trainer.batch_size, seat.world,
                             layout_worlds(cfg), cfg.algorithm.estimator.whole_groups)
-    if used == 0:
-        raise RuntimeError(f"{found}, fewer than one evenly split step needs (hint: raise "
-                           "algorithm.filter_groups.max_num_gen_batches or use fewer trainer processes)")
-    if seat.is_leader:
+    if seat.is_leader and used == 0:
+        log.warning("%s; too few to split evenly, so training on the last round's %d groups as generated (no "
+                    "policy gradient where a group's scores are equal; algorithm.filter_groups.on_exhausted: train)",
+                    found, cfg.trainer.batch_size // n)
+    elif seat.is_leader:
         log.warning("%s; training on %d of them (%d sequences; algorithm.filter_groups.on_exhausted: train)",
                     found, used, used * n)
     return used
