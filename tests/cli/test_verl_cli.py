@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, run_cli
+from verl_hpc.cli.main import main
 from verl_hpc.config import load_config
 from verl_hpc.metrics import read_jsonl_metrics
 
@@ -81,16 +82,19 @@ def command_line(name: str, model: Path, data: Path, run_dir: Path) -> list[str]
 
 @pytest.mark.parametrize("name", sorted(LINES))
 def test_print_config_validates_and_states_the_sequence_counts(name: str, tmp_path: Path, tiny_model_dir: Path,
-                                                               verl_data: Path) -> None:
-    proc = run_cli("verl", "--print-config", *command_line(name, tiny_model_dir, verl_data, tmp_path / "run"))
-    assert proc.returncode == 0, proc.stderr[-2000:]
+                                                               verl_data: Path, capsys: pytest.CaptureFixture,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """In this process (`main` is what `verl-hpc` runs): printing starts no training, so no process of its own."""
+    monkeypatch.chdir(REPO)
+    assert main(["verl", "--print-config", *command_line(name, tiny_model_dir, verl_data, tmp_path / "run")]) == 0
+    printed = capsys.readouterr().out
     sequences = 16 * N[name]
     assert (f"# trainer.batch_size: {sequences} sequences = data.train_batch_size 16 prompts x "
-            f"actor_rollout_ref.rollout.n {N[name]}") in proc.stdout
-    assert f"# algorithm.mini_batch_size: {sequences} sequences" in proc.stdout
-    assert "#   actor_rollout_ref.actor.fsdp_config.param_offload=False: engine speed or memory only" in proc.stdout
+            f"actor_rollout_ref.rollout.n {N[name]}") in printed
+    assert f"# algorithm.mini_batch_size: {sequences} sequences" in printed
+    assert "#   actor_rollout_ref.actor.fsdp_config.param_offload=False: engine speed or memory only" in printed
     path = tmp_path / f"{name}.yaml"
-    path.write_text(proc.stdout)
+    path.write_text(printed)
     cfg = load_config(path)  # the printed YAML is a verl-hpc config as it stands, run from REPO
     assert cfg.trainer.batch_size == sequences and cfg.trainer.total_steps == STEPS
     assert cfg.algorithm.estimator.name == {"grpo": "grpo", "ppo": "gae", "dapo": "grpo"}[name]

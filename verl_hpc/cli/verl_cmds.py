@@ -48,9 +48,9 @@ def made_config(overrides: list[str], sets: list[str]):  # -> tuple[Conversion, 
 
 def _train_rows(given: dict) -> int | None:
     """Rows of data.train_files (for trainer.total_epochs); None when a file cannot be read here."""
-    from verl_hpc.utils.fs import expand_path
     from verl_hpc.config.verl_keys import DEFAULTS
     from verl_hpc.data.prompts import count_rows
+    from verl_hpc.utils.fs import expand_path
 
     files = given.get("data.train_files", DEFAULTS["data.train_files"])
     total = 0
