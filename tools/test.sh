@@ -30,6 +30,11 @@ if ! command -v ss >/dev/null 2>&1; then
   { DEBIAN_FRONTEND=noninteractive "${ss_pkg[@]}" || { apt-get update -q && DEBIAN_FRONTEND=noninteractive "${ss_pkg[@]}"; }; } \
     >/dev/null 2>&1 || echo "test.sh: could not install iproute2 (ss); the wire-count test skips" >&2
 fi
+# verl 0.9.1 from PyPI beside the venv (~265 MB, 0.5-2 min once, then cached) for the parity tests
+# (tests/algo/test_verl_parity.py, tests/data/test_structured_ground_truth.py), installed while the
+# tests start: they call tools/verl_ref.sh again, which waits for this install; if PyPI cannot be
+# reached they skip, naming pip's error
+{ bash tools/verl_ref.sh >/dev/null 2>&1 || echo "test.sh: could not install the verl 0.9.1 reference; the parity tests skip" >&2; } &
 export TOKENIZERS_PARALLELISM=false
 if [ "$#" -gt 0 ]; then
   exec .venv/bin/python -m pytest "$@"

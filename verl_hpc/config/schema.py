@@ -195,7 +195,11 @@ class SamplingConfig(StrictModel):
 class KLConfig(StrictModel):
     """KL to the frozen reference policy; `estimator: off` skips the ref role entirely."""
 
-    estimator: Literal["k1", "k2", "k3", "off"] = "k3"
+    estimator: Literal["k1", "k2", "k3", "abs", "kl", "mse", "low_var_kl", "k1+", "k2+", "k3+", "abs+", "kl+",
+                       "mse+", "low_var_kl+", "off"] = Field(
+        "k3", description="per-token KL estimator: `k1` (verl: `kl`) log-ratio, `abs` its absolute value, `k2` "
+        "(`mse`) half its square, `k3` (`low_var_kl`) low-variance; a trailing `+` (`k3+`) keeps the value and "
+        "takes k2's gradient (straight-through, as verl); `off` = no ref model")
     coef: float = Field(0.001, ge=0.0)
     in_reward: bool = False
 
@@ -206,13 +210,18 @@ class FilterGroupsConfig(StrictModel):
     enable: bool = Field(False, description="drop prompt groups whose scores are all equal (no signal for "
                          "a group-relative estimator) and generate more prompts until the batch is full")
     max_num_gen_batches: int = Field(10, ge=1, description="at most this many generation rounds per step "
-                                     "(each of trainer.batch_size / sampling.n prompts); fewer informative "
-                                     "groups then stop the run with an error")
+                                     "(each of trainer.batch_size / sampling.n prompts); then `on_exhausted` "
+                                     "says what happens")
+    on_exhausted: Literal["train", "error"] = Field(
+        "train", description="fewer informative groups than the batch needs after max_num_gen_batches rounds: "
+        "`train` on the groups found (a smaller step, a warning, `filter_groups/exhausted` = 1), `error` stops "
+        "the run (verl's behaviour)")
 
 
 # algorithm.name -> estimator (None for dpo, which has none)
 PRESET_ESTIMATORS = {name: preset.get("adv_estimator") for name, preset in PRESETS.items()}
-LOSS_AGG_MODES = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+LOSS_AGG_MODES = Literal["token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum",
+                         "seq-mean-token-sum-norm"]
 
 
 class AlgorithmConfig(StrictModel):
@@ -232,6 +241,8 @@ class AlgorithmConfig(StrictModel):
     kl: KLConfig = Field(default_factory=KLConfig)
     clip_ratio_low: float = Field(0.2, gt=0.0)
     clip_ratio_high: float = Field(0.2, gt=0.0)
+    clip_ratio_c: float = Field(3.0, gt=1.0, description="dual-clip PPO (`vanilla`): where the advantage is "
+                                "negative the token loss is capped at -A x this (verl's `clip_ratio_c`)")
     entropy_coef: float = Field(0.0, ge=0.0)
     value_clip: float | None = Field(0.2, gt=0.0)
     gamma: float = Field(1.0, ge=0.0, le=1.0)
@@ -239,8 +250,9 @@ class AlgorithmConfig(StrictModel):
     norm_adv_by_std: bool = Field(True, description="GRPO: divide advantages by the group's std; false = "
                                   "subtract the mean only (Dr. GRPO)")
     loss_agg_mode: LOSS_AGG_MODES = Field(
-        "token-mean", description="how token losses reduce: mean over all tokens; or per sequence the mean, the "
-        "sum, or the sum / `sampling.max_new_tokens` (`-norm`, Dr. GRPO), then mean over sequences")
+        "token-mean", description="how token losses (policy, entropy bonus, KL, value) reduce: mean or sum over "
+        "all tokens; or per sequence the mean, the sum, or the sum / `sampling.max_new_tokens` (`-norm`, Dr. "
+        "GRPO), then mean over the sequences that have a token (verl's `agg_loss`)")
     ppo_epochs: int = Field(1, ge=1)
     mini_batch_size: int | None = Field(None, ge=1, description="sequences per optimizer step")
     micro_batch_size: int | None = Field(None, ge=1, description="sequences per forward pass")
