@@ -18,6 +18,7 @@ from verl_hpc.config.checks import (
 )
 from verl_hpc.config.dpo_checks import check_dpo, refuse_dpo_parts
 from verl_hpc.config.errors import FieldError
+from verl_hpc.config.multi_turn import check_multi_turn
 from verl_hpc.config.schema import CROSS_CHECKS, RunConfig
 
 
@@ -34,6 +35,7 @@ def cross_check(cfg: RunConfig) -> None:
     check_data(cfg)
     check_reward(cfg)
     check_roles(cfg)
+    check_multi_turn(cfg)
 
 
 CROSS_CHECKS.append(cross_check)

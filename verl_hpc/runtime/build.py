@@ -57,12 +57,15 @@ class Roles:
     engine: RolloutEngine | None = None
     reward: RuleReward | ModelReward | None = None
     allocator: ResourceAllocator = field(default_factory=ResourceAllocator)  # generation's OOM retries
+    agent: Any = None  # AgentRollout (roles/agent) when rollout.multi_turn.enable: rows are episodes
 
     @property
     def pad_id(self) -> int:
         return self.tokenizer.pad_token_id
 
     def close(self) -> None:
+        if self.agent is not None:
+            self.agent.close()
         if self.engine is not None:
             self.engine.close()
         close = getattr(self.reward, "close", None)
@@ -229,6 +232,10 @@ def build_roles(cfg: RunConfig, run_dir: Path, spec: BuildSpec, actor_model: Any
         roles.engine = _build_engine(cfg, spec, roles, model_dir, policy)
         if (spec.rollout_builds_reward and cfg.reward.function_spec is not None) or callable(reward_model):
             roles.reward = build_reward(cfg, tokenizer, spec.device, reward_model)
+        if cfg.rollout.multi_turn.enable:
+            from verl_hpc.roles.agent.build import build_agent
+
+            roles.agent, roles.reward = build_agent(cfg, roles.engine, tokenizer, model_dir, roles.reward)
     if "reward" in spec.hosted and roles.reward is None:
         roles.reward = build_reward(cfg, tokenizer, spec.device, reward_model)
     if cfg.data.val_files and ("actor" in spec.hosted or "rollout" in spec.hosted):  # generating, or counting rows

@@ -24,7 +24,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from multiprocessing.connection import Connection, Listener
 from pathlib import Path
 from typing import Any
@@ -167,13 +167,19 @@ class VLLMRolloutEngine:
         self.conn.send((command, payload))
         return self._reply(command, self.timeout)
 
-    def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig) -> Generation:
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig,
+                 stop_token_ids: Sequence[int] = (), max_tokens: Sequence[int] | None = None) -> Generation:
+        """One request per prompt. `stop_token_ids`: more ids that end a response (a multi-turn turn's
+        end-of-turn or tool-call end tag); `max_tokens`: each request's own limit (an episode's
+        remaining budget)."""
         # One seed per request, drawn from the trainer's per-step RNG: a resumed run
         # samples exactly what the uninterrupted run sampled.
         seeds = torch.randint(0, 2**31 - 1, (len(prompt_ids),)).tolist()
-        request = {"prompt_ids": prompt_ids, "seeds": seeds, "pad_id": self.pad_id, "eos_ids": self.eos_ids,
+        stops = [*self.eos_ids, *(int(t) for t in stop_token_ids if int(t) not in self.eos_ids)]
+        request = {"prompt_ids": prompt_ids, "seeds": seeds, "pad_id": self.pad_id, "eos_ids": stops,
                    "sampling": sampling.model_dump(include={"temperature", "top_p", "top_k", "max_new_tokens",
-                                                            "stop"})}
+                                                            "stop"}),
+                   "max_tokens": list(max_tokens) if max_tokens else None}
         responses, logprobs = self.call("generate", request)
         return Generation(responses, logprobs)
 

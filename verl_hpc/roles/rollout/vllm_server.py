@@ -55,10 +55,11 @@ def generate(llm, request: dict[str, Any]) -> tuple[list[list[int]], list[list[f
 
     s = request["sampling"]
     bias = {request["pad_id"]: -100.0} if request["pad_id"] is not None else None  # vLLM clamps to ±100
+    limits = request.get("max_tokens") or [s["max_new_tokens"]] * len(request["seeds"])
     params = [SamplingParams(n=1, temperature=s["temperature"], top_p=s["top_p"], top_k=s["top_k"] or 0,
-                             max_tokens=s["max_new_tokens"], stop=s["stop"] or None, logprobs=0, seed=seed,
+                             max_tokens=limit, stop=s["stop"] or None, logprobs=0, seed=seed,
                              logit_bias=bias, stop_token_ids=request.get("eos_ids") or None)
-              for seed in request["seeds"]]
+              for seed, limit in zip(request["seeds"], limits, strict=True)]
     prompts = [TokensPrompt(prompt_token_ids=ids) for ids in request["prompt_ids"]]
     outputs = llm.generate(prompts, params, use_tqdm=False)
     responses, logprobs = [], []

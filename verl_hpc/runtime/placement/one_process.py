@@ -39,6 +39,10 @@ def generate_rows(roles: Roles, cfg: RunConfig, step: int, indices: list[int], r
     prompt_index = [indices[g] for g in groups]
     prompt_ids = [roles.prompt_ids[i] for i in prompt_index]
     engine = roles.engine
+    if roles.agent is not None and prompt_ids:  # multi-turn: each row is an agent episode (roles/agent)
+        batch = roles.agent.rows(step, groups, samples, prompt_index, roles.dataset, cfg.algorithm.sampling,
+                                 policy_version)
+        return batch.with_columns(score=roles.reward.score(batch)) if roles.reward is not None else batch
     if is_replay(engine):
         out = engine.replay(step, list(zip(groups, samples, prompt_index, strict=True)))  # type: ignore[union-attr]
     elif prompt_ids:
@@ -185,6 +189,8 @@ class LocalStages:
         reward = self.roles.reward
         if reward is not None and hasattr(reward, "metrics"):
             out.update(reward.metrics())
+        if self.roles.agent is not None:  # agent/*: this process's episodes of the step
+            out.update(self.roles.agent.metrics())
         return out
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:

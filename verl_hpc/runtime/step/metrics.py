@@ -32,7 +32,11 @@ def _masked_stats(prefix: str, values: torch.Tensor, mask: torch.Tensor) -> dict
 
 
 def data_metrics(scores: torch.Tensor, inputs: dict[str, torch.Tensor], max_new_tokens: int) -> dict[str, float]:
-    """Scores, rewards, advantages, returns, values and response lengths of one batch."""
+    """Scores, rewards, advantages, returns, values and response lengths of one batch.
+
+    Response lengths count the tokens the model sampled (the loss mask): a multi-turn row's
+    tool replies are not its length, and `clip_ratio` is the share that used the whole budget.
+    """
     mask = inputs["response_mask"]
     lengths = mask.sum(dim=1)
     out = _stats("critic/score", scores)
@@ -46,9 +50,18 @@ def data_metrics(scores: torch.Tensor, inputs: dict[str, torch.Tensor], max_new_
         out["critic/vf_explained_var"] = float(1.0 - residual_var / (masked_var(inputs["returns"], mask) + 1e-8))
     out.update(_stats("response_length", lengths))
     out["response_length/clip_ratio"] = float((lengths >= max_new_tokens).double().mean())
-    prompt_tokens = inputs["attention_mask"].sum() - mask.sum()
-    out["prompt_length/mean"] = float(prompt_tokens) / mask.shape[0]
+    out["prompt_length/mean"] = float(_prompt_tokens(inputs)) / mask.shape[0]
     return out
+
+
+def _prompt_tokens(inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Prompt tokens of the rows: attended positions left of the response columns.
+
+    Why not attention minus the response mask: the response mask is the loss mask, and a
+    multi-turn response holds inserted tokens (tool replies) that are neither prompt nor model's.
+    """
+    attention = inputs["attention_mask"]
+    return attention[:, :attention.shape[1] - inputs["response_mask"].shape[1]].sum()
 
 
 # --- the same numbers from reductions over the trainer ranks -----------------------------------
@@ -77,7 +90,8 @@ def local_partials(scores: torch.Tensor, inputs: dict[str, torch.Tensor],
     scores = scores.to(mask.device, torch.float64)
     sums = {"rows": mask.new_tensor(float(mask.shape[0])), "score": scores.sum(), "length": lengths.sum(),
             "clipped": (lengths >= max_new_tokens).sum(), "attention": inputs["attention_mask"].sum(),
-            "weight": mask.sum(), "valid": valid.sum()}  # weight: the response tokens (the mask's sum)
+            "weight": mask.sum(), "valid": valid.sum(),  # weight: the model's response tokens (the loss mask)
+            "prompt": _prompt_tokens(inputs).double()}
     maxes: dict[str, torch.Tensor] = {}
     _extremes(maxes, "score", scores)
     _extremes(maxes, "length", lengths)
@@ -136,7 +150,7 @@ def metrics_from_partials(sums: dict[str, float], maxes: dict[str, float],
         out["critic/vf_explained_var"] = 1.0 - residual_var / (returns_var + 1e-8)
     out.update(_stats_of("response_length", sums["length"] / rows, maxes, "length"))
     out["response_length/clip_ratio"] = sums["clipped"] / rows
-    out["prompt_length/mean"] = (sums["attention"] - sums["weight"]) / rows
+    out["prompt_length/mean"] = sums["prompt"] / rows
     out["perf/total_num_tokens"] = sums["attention"]
     return out
 
