@@ -235,7 +235,8 @@ def build_roles(cfg: RunConfig, run_dir: Path, spec: BuildSpec, actor_model: Any
         if cfg.rollout.multi_turn.enable:
             from verl_hpc.roles.agent.build import build_agent
 
-            roles.agent, roles.reward = build_agent(cfg, roles.engine, tokenizer, model_dir, roles.reward)
+            roles.agent, roles.reward = build_agent(cfg, roles.engine, tokenizer, model_dir, roles.reward,
+                                                    str(run_dir))
     if "reward" in spec.hosted and roles.reward is None:
         roles.reward = build_reward(cfg, tokenizer, spec.device, reward_model)
     if cfg.data.val_files and ("actor" in spec.hosted or "rollout" in spec.hosted):  # generating, or counting rows

@@ -15,9 +15,17 @@ def max_context(model_dir: str) -> int | None:
     return getattr(AutoConfig.from_pretrained(model_dir), "max_position_embeddings", None)
 
 
-def build_agent(cfg: Any, engine: Any, tokenizer: Any, model_dir: str, reward: Any) -> tuple[AgentRollout, Any]:
-    """(the AgentRollout over `engine`, the reward — with the tools' rewards added when asked)."""
+def build_agent(cfg: Any, engine: Any, tokenizer: Any, model_dir: str, reward: Any,
+                run_dir: str | None = None) -> tuple[AgentRollout, Any]:
+    """(the AgentRollout over `engine`, the reward — with the tools' rewards added when asked).
+
+    The code sandbox takes `rollout.multi_turn.sandbox`'s limits and must never see `run_dir`.
+    """
     multi_turn = cfg.rollout.multi_turn
+    if any("sandbox" in spec for spec in multi_turn.tools) or multi_turn.tool_config_path is not None:
+        from verl_hpc.roles.agent.sandbox import SandboxLimits, configure
+
+        configure(SandboxLimits.of(multi_turn.sandbox), [str(run_dir)] if run_dir else [])
     agent = AgentRollout(multi_turn, engine, tokenizer, stop_token_ids(tokenizer, model_dir), max_context(model_dir))
     if multi_turn.add_tool_rewards and reward is not None:
         reward = ToolRewardAdded(reward)
