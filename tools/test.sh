@@ -28,6 +28,12 @@ if ! command -v ss >/dev/null 2>&1; then
   { DEBIAN_FRONTEND=noninteractive "${ss_pkg[@]}" || { apt-get update -q && DEBIAN_FRONTEND=noninteractive "${ss_pkg[@]}"; }; } \
     >/dev/null 2>&1 || echo "test.sh: could not install iproute2 (ss); the wire-count test skips" >&2
 fi
+# bubblewrap: the code tool's strong sandbox backend (without it the tests run the unshare backend only)
+if ! command -v bwrap >/dev/null 2>&1; then
+  bw_pkg=(apt-get install -y -q --no-install-recommends bubblewrap)
+  { DEBIAN_FRONTEND=noninteractive "${bw_pkg[@]}" || { apt-get update -q && DEBIAN_FRONTEND=noninteractive "${bw_pkg[@]}"; }; } \
+    >/dev/null 2>&1 || echo "test.sh: could not install bubblewrap; the sandbox tests run the unshare backend only" >&2
+fi
 export TOKENIZERS_PARALLELISM=false
 if [ "$#" -gt 0 ]; then
   exec .venv/bin/python -m pytest "$@"
