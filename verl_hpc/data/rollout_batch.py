@@ -177,6 +177,11 @@ def _upgrade(batch: pa.RecordBatch, target: pa.Schema | None = None) -> pa.Recor
     arrays = {name: batch.column(name) for name in batch.schema.names}
     if "sample_index" not in names:
         arrays["sample_index"] = pa.array(_occurrences(batch.column("group_id").to_pylist()), pa.int64())
+    if target is TRAJECTORY_SCHEMA and "loss_mask" not in names:  # a single-turn row: one turn, all the model's
+        lengths = _lengths(batch.column("response_ids"))
+        arrays["loss_mask"] = _ragged([np.ones(n, np.int8) for n in lengths], pa.int8())
+        arrays["turn_bounds"] = _ragged([[0, n] for n in lengths], pa.int32())
+        arrays["turn_versions"] = _ragged([[v] for v in batch.column("policy_version").to_pylist()], pa.int64())
     for field in target:
         if field.name not in arrays and field.nullable:
             arrays[field.name] = pa.nulls(batch.num_rows, field.type)
