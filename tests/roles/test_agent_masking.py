@@ -12,7 +12,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from verl_hpc.algo import ESTIMATORS, POLICY_LOSSES, AdvantageInputs, aggregate_loss, kl_penalty, token_level_rewards
+from verl_hpc.algo import (
+    ESTIMATORS,
+    POLICY_LOSSES,
+    AdvantageInputs,
+    aggregate_loss,
+    kl_penalty,
+    token_level_rewards,
+)
 from verl_hpc.algo.losses import AGG_MODES
 from verl_hpc.algo.masked import masked_mean
 from verl_hpc.config.schema import AlgorithmConfig
