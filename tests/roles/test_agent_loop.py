@@ -186,8 +186,8 @@ def test_vllm_engine_token_fidelity(agent_dir, monkeypatch) -> None:
     from verl_hpc.roles.rollout.vllm_engine import VLLMRolloutEngine
 
     tok = AutoTokenizer.from_pretrained(agent_dir, padding_side="left")
-    engine = VLLMRolloutEngine(str(agent_dir), None, VllmArgs(dtype="float32"), timeout=600,
-                               eos_ids=stop_token_ids(tok, str(agent_dir)))
+    engine = VLLMRolloutEngine(str(agent_dir), tok.pad_token_id, VllmArgs(dtype="float32", enforce_eager=True),
+                               timeout=600, eos_ids=stop_token_ids(tok, str(agent_dir)))
     try:
         recording = Recording(engine)
         agent = make_agent(recording, tok, agent_dir, max_assistant_turns=3)
@@ -199,7 +199,7 @@ def test_vllm_engine_token_fidelity(agent_dir, monkeypatch) -> None:
             trainer, _ = response_logprobs(AutoModelForCausalLM.from_pretrained(agent_dir), inputs, 1.0)
         mask = inputs["response_mask"].bool()
         engine_lp = batch.token_tensor("rollout_logprobs", mask.shape[1])
-        assert (engine_lp.exp() - trainer.exp()).abs()[mask].max() < 1e-3
+        assert (engine_lp.exp() - trainer.exp()).abs()[mask].max() < 1e-4  # as single-turn rollouts
         agent.close()
     finally:
         engine.close()
