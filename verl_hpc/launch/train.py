@@ -66,6 +66,10 @@ def train(cfg: RunConfig, run_dir: str | Path | None = None, *, actor_model: Any
 
     check_local(cfg)
     check_machine(cfg)  # devices, NCCL, the vLLM build: before the run directory exists
+    if cfg.rollout.multi_turn.enable:  # every tool imports, is typed, documented and has a valid schema
+        from verl_hpc.roles.agent.tools import load_tools
+
+        load_tools(cfg.rollout.multi_turn)
     if not needs_launcher(cfg):
         from verl_hpc.runtime.embedded import train_in_process
 

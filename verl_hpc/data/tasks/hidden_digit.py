@@ -4,10 +4,15 @@ Every prompt is the same question ("what is in the box"); each row hides its own
 to the `peek` tool through verl's per-row `extra_info.tools_kwargs.peek.create_kwargs`. The
 model cannot see it, memorise it from the prompt or guess it better than the most frequent
 digit of the data (`best_constant_accuracy`, about 1/10): a policy that ignores tool replies is
-capped there, whatever it does. A policy that calls `peek` and copies the reply scores 1. An
-answer given without opening the box scores 0 (a guess is not knowing): measured, without that
-rule a random-init policy learns to stop calling before it learns to copy, because a call spends
-turns and tokens that a guess does not.
+capped there, whatever it does. A policy that calls `peek` and copies the reply scores 1.
+
+The reward is shaped in two steps, both measured necessary for the tiny model: an answer given
+without opening the box scores 0 (a guess is not knowing; without that rule a random policy
+learns to stop calling before it learns to copy, since a call spends turns and tokens a guess
+does not), and opening it earns `LOOK_CREDIT` whatever the answer (without it a random policy's
+reward is right only when it both calls and happens to write the digit, ~1 in 50 episodes, and
+most groups have no spread at all). A policy that looks and ignores the reply still earns at most
+LOOK_CREDIT + (1 - LOOK_CREDIT) x best_constant_accuracy.
 
 Why it is learnable by the tiny model (`tiny-agent` preset, ~50 tokens, the call one token):
 a random policy ends about a quarter of its first turns with the call, and a random first digit
@@ -27,6 +32,7 @@ from typing import Any
 from verl_hpc.data.tasks.arithmetic import score as _first_integer_score
 
 QUESTION = "what is in the box"
+LOOK_CREDIT = 0.2  # for opening the box at all: the first thing a random policy must find
 TOOL = "verl_hpc.data.tasks.hidden_digit:peek"
 
 
@@ -67,11 +73,12 @@ def looked(extra_info: dict[str, Any] | None) -> bool:
 
 def score(prompt: str, response: str, ground_truth: str, finished: bool | None = None,
           extra_info: dict[str, Any] | None = None, **_: object) -> float:
-    """The final answer's first integer against the hidden digit (1, 0.5 when it runs on, else 0), and 0
-    for an answer given without opening the box: a guess is not knowing what is in it."""
+    """0 for an answer given without opening the box (a guess is not knowing what is in it); after a look,
+    LOOK_CREDIT plus the rest for the final answer's first integer against the hidden digit (all of it
+    when that is all it says and it ended its turn, half when it runs on)."""
     if not looked(extra_info):
         return 0.0
-    return _first_integer_score(prompt, response, ground_truth, finished)
+    return LOOK_CREDIT + (1.0 - LOOK_CREDIT) * _first_integer_score(prompt, response, ground_truth, finished)
 
 
 def best_constant_accuracy(num_prompts: int, seed: int) -> float:
