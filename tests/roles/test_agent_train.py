@@ -13,6 +13,7 @@ from verl_hpc.config import ConfigError
 from verl_hpc.config.loader import load_config
 from verl_hpc.launch.train import train
 
+LEARNING_STEPS = 150  # measured: see the test
 FLAKY = f"{REPO / 'tests' / 'plugins' / 'agent_flaky.py'}:peek"
 
 
@@ -71,3 +72,53 @@ def test_a_bad_tool_is_refused_before_the_run_starts(tmp_path) -> None:
     with pytest.raises(ConfigError, match=r"rollout.multi_turn.tools\[0\]: .*no_doc has no docstring"):
         train(load_config(data=raw), tmp_path / "run")
     assert not (tmp_path / "run").exists() and not (tmp_path / "model").exists()
+
+
+def greedy_accuracy(model, model_dir: Path, rows: int = 100) -> tuple[float, float]:
+    """(answers equal to the hidden digit, episodes that opened the box) of the greedy policy on fresh rows."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from verl_hpc.config import SamplingConfig
+    from verl_hpc.config.multi_turn import MultiTurnConfig
+    from verl_hpc.data.tasks.arithmetic import first_integer
+    from verl_hpc.data.tasks.hidden_digit import looked, make_examples
+    from verl_hpc.roles.agent import AgentRollout
+    from verl_hpc.roles.rollout.base import stop_token_ids
+    from verl_hpc.roles.rollout.hf import HFRolloutEngine
+
+    tok = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
+    examples = make_examples(rows, seed=12345)  # not the training rows
+    ds = SimpleNamespace(prompts=[e["prompt"] for e in examples], answers=[e["ground_truth"] for e in examples],
+                         data_sources=[None] * rows, extra_infos=[json.dumps(e["extra_info"]) for e in examples])
+    agent = AgentRollout(MultiTurnConfig(enable=True, tools=["verl_hpc.data.tasks.hidden_digit:peek"],
+                                         max_assistant_turns=2), HFRolloutEngine(model, tok), tok,
+                         stop_token_ids(tok, str(model_dir)), 256)
+    batch = agent.rows(0, list(range(rows)), [0] * rows, list(range(rows)), ds,
+                       SamplingConfig(n=1, top_k=1, max_new_tokens=8), 0)
+    agent.close()
+    records = [json.loads(t) for t in batch.column("trajectory").to_pylist()]
+    right = [first_integer(r["final_answer"]) == e["ground_truth"] for r, e in zip(records, examples, strict=True)]
+    return sum(right) / rows, sum(looked(r) for r in records) / rows
+
+
+@pytest.mark.slow
+def test_the_hidden_digit_task_learns_to_use_the_tool(tmp_path) -> None:
+    """The trained policy beats every policy that ignores the tool's reply (at most the commonest digit)."""
+    from transformers import AutoModelForCausalLM
+
+    from verl_hpc.data.tasks.hidden_digit import best_constant_accuracy
+    from verl_hpc.models.tiny import init_model
+
+    model_dir = init_model(tmp_path / "tiny-agent", preset="tiny-agent")
+    raw = agent_config(model_dir)
+    raw["data"]["task"]["num_prompts"] = 512
+    raw["algorithm"]["sampling"] = {"n": 8, "max_new_tokens": 8}
+    raw["algorithm"]["entropy_coef"] = 0.01
+    raw["trainer"].update(total_steps=LEARNING_STEPS, batch_size=64, actor_optim={"lr": 0.003})
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    train(load_config(data=raw), tmp_path / "run", actor_model=model)
+    accuracy, looked_ratio = greedy_accuracy(model, model_dir)
+    bar = best_constant_accuracy(512, 0)
+    assert looked_ratio > 0.9 and accuracy > max(0.5, 3 * bar), (accuracy, looked_ratio, bar)

@@ -9,9 +9,10 @@ capped there, whatever it does. A policy that calls `peek` and copies the reply 
 The reward is shaped in two steps, both measured necessary for the tiny model: an answer given
 without opening the box scores 0 (a guess is not knowing; without that rule a random policy
 learns to stop calling before it learns to copy, since a call spends turns and tokens a guess
-does not), and opening it earns `LOOK_CREDIT` whatever the answer (without it a random policy's
-reward is right only when it both calls and happens to write the digit, ~1 in 50 episodes, and
-most groups have no spread at all). A policy that looks and ignores the reply still earns at most
+does not), and opening it then answering earns `LOOK_CREDIT` whatever the answer (without it a
+random policy's reward is right only when it both calls and happens to write the digit, ~1 in 50
+episodes, and most groups have no spread at all; crediting the look alone, measured, teaches a
+policy that calls in every turn and never answers). A policy that looks and ignores the reply still earns at most
 LOOK_CREDIT + (1 - LOOK_CREDIT) x best_constant_accuracy.
 
 Why it is learnable by the tiny model (`tiny-agent` preset, ~50 tokens, the call one token):
@@ -71,12 +72,18 @@ def looked(extra_info: dict[str, Any] | None) -> bool:
     return any(c.get("name") == "peek" and c.get("error") is None for c in calls)
 
 
+def answered(extra_info: dict[str, Any] | None) -> bool:
+    """Whether the episode ended with an answer (its last turn called no tool)."""
+    messages = (extra_info or {}).get("messages") or []
+    return bool(messages) and messages[-1].get("role") == "assistant" and not messages[-1].get("tool_calls")
+
+
 def score(prompt: str, response: str, ground_truth: str, finished: bool | None = None,
           extra_info: dict[str, Any] | None = None, **_: object) -> float:
-    """0 for an answer given without opening the box (a guess is not knowing what is in it); after a look,
-    LOOK_CREDIT plus the rest for the final answer's first integer against the hidden digit (all of it
-    when that is all it says and it ended its turn, half when it runs on)."""
-    if not looked(extra_info):
+    """0 for an answer given without opening the box (a guess is not knowing what is in it) and for no
+    answer at all; an answer after a look earns LOOK_CREDIT plus the rest for its first integer against
+    the hidden digit (all of it when that is all it says and it ended its turn, half when it runs on)."""
+    if not (looked(extra_info) and answered(extra_info)):
         return 0.0
     return LOOK_CREDIT + (1.0 - LOOK_CREDIT) * _first_integer_score(prompt, response, ground_truth, finished)
 
