@@ -18,7 +18,7 @@ import json
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from verl_hpc.roles.agent.parsers import ToolCall
@@ -198,12 +198,3 @@ class ToolRunner:
         self.pool.shutdown(wait=False, cancel_futures=True)
         self._loop.call_soon_threadsafe(self._loop.stop)
 
-
-@dataclass
-class ToolStats:
-    """Counts over a step's episodes (`agent/tool_*`)."""
-
-    calls: int = 0
-    errors: int = 0
-    seconds: float = 0.0
-    by_error: dict[str, int] = field(default_factory=dict)

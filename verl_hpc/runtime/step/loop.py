@@ -167,7 +167,8 @@ class RLTrainer(StepCounters):
     def samples_text(self, batch: RolloutBatch) -> str:
         count = min(self.cfg.logging.num_samples, len(batch))
         decode = self.stages.decode
-        rows = [f"| `{decode(p)}` | `{decode(r, skip_special_tokens=True)}` | {s:.3f} |" for p, r, s in zip(
+        whole = batch.is_trajectory  # an episode: every turn, tool reply and turn marker shows
+        rows = [f"| `{decode(p)}` | `{decode(r, skip_special_tokens=not whole)}` | {s:.3f} |" for p, r, s in zip(
             batch.column("prompt_ids").to_pylist()[:count], batch.column("response_ids").to_pylist()[:count],
             batch.scores().tolist()[:count], strict=True)]
         return "| prompt | response | score |\n|---|---|---|\n" + "\n".join(rows)
