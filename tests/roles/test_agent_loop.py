@@ -203,3 +203,24 @@ def test_vllm_engine_token_fidelity(agent_dir, monkeypatch) -> None:
         agent.close()
     finally:
         engine.close()
+
+
+def test_deterministic_rounds_sample_the_same_episodes_whatever_the_tool_latency(agent_dir) -> None:
+    import random
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from verl_hpc.roles.rollout.hf import HFRolloutEngine
+
+    tok = AutoTokenizer.from_pretrained(agent_dir, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(agent_dir)
+    agent = make_agent(HFRolloutEngine(model, tok), tok, agent_dir, max_assistant_turns=3, deterministic_rounds=True)
+    agent.tools.tools["peek"].fn = lambda **state: time.sleep(random.random() * 0.05) or str(state["digit"])
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(7)
+        batch = run_rows(agent, 24, dataset(24))
+        runs.append((batch.column("response_ids").to_pylist(), batch.column("loss_mask").to_pylist()))
+    assert runs[0] == runs[1]
+    assert agent.metrics()["agent/tool_calls/mean"] > 0
+    agent.close()

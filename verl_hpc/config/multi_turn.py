@@ -62,6 +62,9 @@ class MultiTurnConfig(StrictModel):
     max_response_tokens: int | None = Field(None, ge=1, description="the whole response (model and inserted "
                                             "tokens) at most; an episode reaching it ends truncated. Unset = "
                                             "the model's context minus the prompt")
+    deterministic_rounds: bool = Field(False, description="each generation round waits for every tool call the "
+                                       "previous one started: the same seed samples the same episodes (exact "
+                                       "resume), but tool latency is no longer hidden behind generation")
     add_tool_rewards: bool = Field(False, description="add the rewards tools return (turn-level) to the score")
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig, description="the code tool's limits")
 

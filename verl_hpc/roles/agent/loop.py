@@ -78,6 +78,8 @@ class AgentLoop:
                 self.generate_round(ready, sampling, version)
                 waiting += [e for e in ready if e.pending is not None]
                 ready = []
+                if self.cfg.deterministic_rounds and waiting:  # every reply in before the next round
+                    cf.wait([e.pending for e in waiting])  # type: ignore[misc]
             elif waiting:
                 cf.wait([e.pending for e in waiting], return_when=cf.FIRST_COMPLETED)  # type: ignore[misc]
             for episode in [e for e in waiting if e.pending is not None and e.pending.done()]:
