@@ -11,7 +11,7 @@ from verl_hpc.config import ConfigError
 from verl_hpc.roles.agent import ChatRenderer, get_parser
 from verl_hpc.roles.agent.loop import end_tag_ids
 
-HERMES = (REPO / "configs" / "chat_templates" / "hermes_chatml.jinja").read_text()
+HERMES = (REPO / "configs" / "hermes_chatml.jinja").read_text()
 ADD = {"type": "function", "function": {"name": "add", "description": "Add.", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer", "description": "x"}}, "required": ["a"]}}}
 PEEK = {"type": "function", "function": {"name": "peek", "description": "Look.", "parameters": {

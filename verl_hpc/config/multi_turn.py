@@ -13,15 +13,11 @@ limits, metrics and the `-norm` aggregation keep meaning "tokens the model wrote
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from pydantic import Field
 
 from verl_hpc.config.base import StrictModel
-from verl_hpc.config.errors import FieldError
-
-if TYPE_CHECKING:
-    from verl_hpc.config.schema import RunConfig
 
 
 class SandboxConfig(StrictModel):
@@ -77,34 +73,3 @@ class RolloutConfig(StrictModel):
     """How responses are produced (verl's `actor_rollout_ref.rollout` keys that are not resources)."""
 
     multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig)
-
-
-def check_multi_turn(cfg: RunConfig) -> None:
-    """Cross-section checks of an enabled `rollout.multi_turn`, before anything starts.
-
-    The tools themselves (importable, typed, documented, valid schemas) are checked by
-    `verl_hpc.roles.agent.load_tools`, which needs the roles layer; the run calls it before
-    the first step.
-    """
-    from verl_hpc.utils.fs import expand_path
-
-    mt = cfg.rollout.multi_turn
-    if not mt.enable:
-        return
-    field = "rollout.multi_turn"
-    if not mt.tools and mt.tool_config_path is None:
-        raise FieldError(f"{field}.tools", "multi-turn rollouts are enabled but no tool is configured",
-                         "list functions under rollout.multi_turn.tools (module:function) or set tool_config_path")
-    for key in ("tool_config_path", "chat_template"):
-        path = getattr(mt, key)
-        if path is not None and not expand_path(path).is_file():
-            raise FieldError(f"{field}.{key}", f"{path} does not exist", "give the path of an existing file")
-    if cfg.data.replay_rollouts is not None:
-        raise FieldError("data.replay_rollouts", "replaying recorded multi-turn rollouts is not supported yet",
-                         "unset data.replay_rollouts or rollout.multi_turn.enable")
-    if cfg.algorithm.estimator.greedy_baseline:
-        raise FieldError("algorithm.adv_estimator", f"{cfg.algorithm.adv_estimator} needs greedy single-turn "
-                         "baselines, which agent episodes do not have", "use grpo, rloo, reinforce_pp or gae")
-    if cfg.resources.placement == "split":
-        raise FieldError("resources.placement", "multi-turn rollouts run beside the trainer for now",
-                         "use the one-process or colocated placement with rollout.multi_turn.enable")

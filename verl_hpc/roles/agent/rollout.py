@@ -14,7 +14,6 @@ import json
 import logging
 from typing import Any
 
-from verl_hpc.utils.fs import expand_path
 from verl_hpc.data.rollout_batch import RolloutBatch
 from verl_hpc.roles.agent.episode import Episode, agent_metrics, trajectory_columns
 from verl_hpc.roles.agent.loop import AgentLoop
@@ -22,6 +21,7 @@ from verl_hpc.roles.agent.parsers import get_parser
 from verl_hpc.roles.agent.render import ChatRenderer
 from verl_hpc.roles.agent.tool_runner import ToolRunner
 from verl_hpc.roles.agent.tools import load_tools
+from verl_hpc.utils.fs import expand_path
 
 log = logging.getLogger(__name__)
 

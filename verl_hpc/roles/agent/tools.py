@@ -24,10 +24,10 @@ from typing import Any
 
 import yaml
 
-from verl_hpc.config.user_code import import_callable
-from verl_hpc.utils.fs import expand_path
 from verl_hpc.config.errors import ConfigError
+from verl_hpc.config.user_code import import_callable
 from verl_hpc.roles.agent.tool_schema import SchemaProblem, check_schema, function_schema
+from verl_hpc.utils.fs import expand_path
 
 
 class ToolSchema:
