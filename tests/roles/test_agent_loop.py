@@ -36,6 +36,26 @@ class Recording:
         return out
 
 
+class RecordingStream(Recording):
+    """`Recording` of an engine that batches continuously: each turn submitted, then polled back."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self.contexts: dict[int, tuple[int, ...]] = {}
+
+    def submit(self, keys, prompt_ids, seeds, sampling, stop_token_ids=(), max_tokens=None):
+        self.calls.append(len(keys))
+        self.contexts.update(zip(keys, (tuple(p) for p in prompt_ids), strict=True))
+        return self.inner.submit(keys, prompt_ids, seeds, sampling, stop_token_ids=stop_token_ids,
+                                 max_tokens=max_tokens)
+
+    def poll(self, wait):
+        out = self.inner.poll(wait)
+        for key, ids, lps in out:
+            self.seen[(self.contexts.pop(key), tuple(ids), tuple(round(x, 5) for x in lps))] += 1
+        return out
+
+
 @pytest.fixture(scope="module")
 def agent_dir(tmp_path_factory):
     from verl_hpc.models.tiny import init_model
@@ -182,27 +202,48 @@ def test_vllm_engine_token_fidelity(agent_dir, monkeypatch) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from verl_hpc.config.resources import VllmArgs
-    from verl_hpc.roles.forward import response_logprobs
     from verl_hpc.roles.rollout.vllm_engine import VLLMRolloutEngine
 
     tok = AutoTokenizer.from_pretrained(agent_dir, padding_side="left")
     engine = VLLMRolloutEngine(str(agent_dir), tok.pad_token_id, VllmArgs(dtype="float32", enforce_eager=True),
                                timeout=600, eos_ids=stop_token_ids(tok, str(agent_dir)))
     try:
-        recording = Recording(engine)
+        recording = RecordingStream(engine)
         agent = make_agent(recording, tok, agent_dir, max_assistant_turns=3)
         torch.manual_seed(0)
         batch = run_rows(agent, 48, dataset(48))
         assert check_fidelity(batch, recording, agent, tok) >= 3
-        inputs = batch.model_inputs(tok.pad_token_id)
-        with torch.no_grad():
-            trainer, _ = response_logprobs(AutoModelForCausalLM.from_pretrained(agent_dir), inputs, 1.0)
-        mask = inputs["response_mask"].bool()
-        engine_lp = batch.token_tensor("rollout_logprobs", mask.shape[1])
-        assert (engine_lp.exp() - trainer.exp()).abs()[mask].max() < 1e-4  # as single-turn rollouts
+        assert recording.calls[0] == 48 and len(recording.calls) > 1  # turns joined the running batch later
+        model = AutoModelForCausalLM.from_pretrained(agent_dir)
+        multi_turn = probs_diff(model, batch, tok.pad_token_id)
+        torch.manual_seed(0)  # the same prompts as single-turn rollouts, same engine and model
+        single = single_turn_rows(engine, batch, SamplingConfig(n=1, max_new_tokens=12))
+        single_turn = probs_diff(model, single, tok.pad_token_id)
+        print(f"rollout_probs_diff max: multi-turn {multi_turn:.3g}, single-turn {single_turn:.3g}")
+        assert multi_turn <= 2 * single_turn + 1e-6 and multi_turn < 1e-4
         agent.close()
     finally:
         engine.close()
+
+
+def probs_diff(model, batch: RolloutBatch, pad_id: int) -> float:
+    """The trainer's `training/rollout_probs_diff_max` of `batch`: over the model's own tokens only."""
+    from verl_hpc.roles.forward import response_logprobs
+
+    inputs = batch.model_inputs(pad_id)
+    with torch.no_grad():
+        trainer, _ = response_logprobs(model, inputs, 1.0)
+    mask = inputs["response_mask"].bool()
+    engine = batch.token_tensor("rollout_logprobs", mask.shape[1])
+    return float((engine.exp() - trainer.exp()).abs()[mask].max())
+
+
+def single_turn_rows(engine, batch: RolloutBatch, sampling: SamplingConfig) -> RolloutBatch:
+    prompts = batch.column("prompt_ids").to_pylist()
+    out = engine.generate(prompts, sampling)
+    return RolloutBatch.from_generation(prompts, out.response_ids, out.logprobs, group_ids=list(range(len(prompts))),
+                                        prompt_index=list(range(len(prompts))), ground_truth=[None] * len(prompts),
+                                        policy_version=0)
 
 
 def test_deterministic_rounds_sample_the_same_episodes_whatever_the_tool_latency(agent_dir) -> None:

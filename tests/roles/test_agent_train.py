@@ -75,6 +75,17 @@ def test_a_bad_tool_is_refused_before_the_run_starts(tmp_path) -> None:
     assert not (tmp_path / "run").exists() and not (tmp_path / "model").exists()
 
 
+def test_a_bad_tool_is_refused_before_a_slurm_job_is_submitted(tmp_path) -> None:
+    from verl_hpc.launch.slurm import submit
+
+    raw = agent_config(tmp_path / "model")
+    raw["rollout"]["multi_turn"]["tools"] = [f"{REPO / 'tests' / 'plugins' / 'agent_tools.py'}:no_doc"]
+    for dry_run in (True, False):  # `verl-hpc sbatch` prints no script for it; `submit` sends no job
+        with pytest.raises(ConfigError, match=r"rollout.multi_turn.tools\[0\]: .*no_doc has no docstring"):
+            submit(load_config(data=raw), run_dir=tmp_path / "run", dry_run=dry_run)
+    assert not (tmp_path / "run").exists()
+
+
 def greedy_accuracy(model, model_dir: Path, rows: int = 100) -> tuple[float, float]:
     """(answers equal to the hidden digit, episodes that opened the box) of the greedy policy on fresh rows."""
     from types import SimpleNamespace

@@ -291,8 +291,6 @@ def check_multi_turn(cfg: RunConfig) -> None:
     `verl_hpc.roles.agent.load_tools`, which needs the roles layer; the run calls it before
     the first step.
     """
-    from verl_hpc.utils.fs import expand_path
-
     mt = cfg.rollout.multi_turn
     if not mt.enable:
         return
@@ -304,12 +302,6 @@ def check_multi_turn(cfg: RunConfig) -> None:
         path = getattr(mt, key)
         if path is not None and not expand_path(path).is_file():
             raise FieldError(f"{field}.{key}", f"{path} does not exist", "give the path of an existing file")
-    if cfg.data.replay_rollouts is not None:
-        raise FieldError("data.replay_rollouts", "replaying recorded multi-turn rollouts is not supported yet",
-                         "unset data.replay_rollouts or rollout.multi_turn.enable")
     if cfg.algorithm.estimator.greedy_baseline:
         raise FieldError("algorithm.adv_estimator", f"{cfg.algorithm.adv_estimator} needs greedy single-turn "
                          "baselines, which agent episodes do not have", "use grpo, rloo, reinforce_pp or gae")
-    if cfg.resources.placement == "split":
-        raise FieldError("resources.placement", "multi-turn rollouts run beside the trainer for now",
-                         "use the one-process or colocated placement with rollout.multi_turn.enable")

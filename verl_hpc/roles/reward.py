@@ -27,6 +27,7 @@ import torch
 
 from verl_hpc.config.errors import ConfigError
 from verl_hpc.data.rollout_batch import RolloutBatch
+from verl_hpc.data.trajectory import episode_records
 
 ON_ERROR = ("fail", "zero", "skip")
 
@@ -148,7 +149,7 @@ class RuleReward(_Checked):
         """The keyword arguments of each row's call, in the function's own signature."""
         decode = self.tokenizer.batch_decode
         response_ids = batch.column("response_ids").to_pylist()
-        episodes = _episodes(batch)
+        episodes = episode_records(batch)
         responses = [e["final_answer"] for e in episodes] if episodes else \
             decode(response_ids, skip_special_tokens=True)
         truths = batch.column("ground_truth").to_pylist()
@@ -198,14 +199,6 @@ class RuleReward(_Checked):
     def close(self) -> None:
         if self.pool is not None:
             self.pool.close()
-
-
-def _episodes(batch: RolloutBatch) -> list[dict[str, Any]] | None:
-    """Multi-turn rows' episode records (`trajectory` column), None for single-turn rows."""
-    if not batch.has("trajectory"):
-        return None
-    return [json.loads(t) if t else {"final_answer": "", "finished": False}
-            for t in batch.column("trajectory").to_pylist()]
 
 
 def _episode_info(episode: dict[str, Any]) -> dict[str, Any]:

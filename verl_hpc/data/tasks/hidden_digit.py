@@ -38,26 +38,27 @@ LOOK_CREDIT = 0.2  # for opening the box at all: the first thing a random policy
 TOOL = "verl_hpc.data.tasks.hidden_digit:peek"
 
 
-def make_examples(num_prompts: int, seed: int) -> list[dict[str, Any]]:
+def make_examples(num_prompts: int, seed: int, max_digit: int = 9) -> list[dict[str, Any]]:
+    """Rows whose hidden digits are drawn from 0..`max_digit`."""
     rng = random.Random(seed)
     rows = []
     for index in range(num_prompts):
-        digit = rng.randint(0, 9)
+        digit = rng.randint(0, max_digit)
         rows.append({"prompt": [{"role": "user", "content": QUESTION}], "ground_truth": str(digit),
                      "data_source": "hidden_digit",
                      "extra_info": {"index": index, "tools_kwargs": {"peek": {"create_kwargs": {"digit": digit}}}}})
     return rows
 
 
-def write_prompts(out_path: str | Path, num_prompts: int, max_operand: int = 0, seed: int = 0) -> Path:
-    """Write the prompts as Parquet (atomically); `max_operand` is unused (the task config's shared field)."""
+def write_prompts(out_path: str | Path, num_prompts: int, max_operand: int = 9, seed: int = 0) -> Path:
+    """Write the prompts as Parquet (atomically); the task config's `max_operand` is the largest hidden digit."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
-    pq.write_table(pa.Table.from_pylist(make_examples(num_prompts, seed)), tmp)
+    pq.write_table(pa.Table.from_pylist(make_examples(num_prompts, seed, max_operand)), tmp)
     tmp.replace(out)
     return out
 
@@ -89,7 +90,7 @@ def score(prompt: str, response: str, ground_truth: str, finished: bool | None =
     return LOOK_CREDIT + (1.0 - LOOK_CREDIT) * _first_integer_score(prompt, response, ground_truth, finished)
 
 
-def best_constant_accuracy(num_prompts: int, seed: int) -> float:
+def best_constant_accuracy(num_prompts: int, seed: int, max_digit: int = 9) -> float:
     """The share of the most frequent hidden digit: the best any policy ignoring the tool can do."""
-    digits = Counter(row["ground_truth"] for row in make_examples(num_prompts, seed))
+    digits = Counter(row["ground_truth"] for row in make_examples(num_prompts, seed, max_digit))
     return max(digits.values()) / num_prompts

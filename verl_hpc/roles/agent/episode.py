@@ -14,6 +14,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from verl_hpc.data.trajectory import episode_counts, episode_metrics
+
 
 @dataclass
 class Episode:
@@ -88,11 +90,4 @@ def agent_metrics(episodes: list[Episode]) -> dict[str, float]:
     """`agent/*` over one step's episodes (this process's)."""
     if not episodes:
         return {}
-    turns = [e.assistant_turns for e in episodes]
-    calls = [c for e in episodes for c in e.tool_log]
-    return {"agent/num_turns/mean": sum(turns) / len(turns), "agent/num_turns/max": float(max(turns)),
-            "agent/tool_calls/mean": len(calls) / len(episodes),
-            "agent/tool_errors": float(sum(c["error"] is not None for c in calls)),
-            "agent/tool_time_s": float(sum(c["seconds"] for c in calls)),
-            "agent/truncated_ratio": sum(e.truncated for e in episodes) / len(episodes),
-            "agent/template_mismatch": float(sum(e.template_mismatch for e in episodes))}
+    return episode_metrics(*episode_counts([e.record() for e in episodes]))

@@ -1,11 +1,12 @@
 """The agent loop: every episode of a step in flight, the engine generating for those that are ready.
 
-Why rounds over the ready episodes: an episode waits for its tools while the others go on. Each
-round hands every episode that is ready for its next turn to the engine in one call (the HF
-engine batches them; vLLM gets one request per turn and batches them itself), then starts the
-tool calls of the turns that asked for some on the bounded pool and goes straight to the next
-round with whoever is ready — a slow tool holds its own episode only. When nobody is ready it
-waits for the first tool reply.
+Why rounds over the ready episodes (the HF engine, which batches only what one call gives it):
+an episode waits for its tools while the others go on. Each round hands every episode that is
+ready for its next turn to the engine in one call, then starts the tool calls of the turns that
+asked for some on the bounded pool and goes straight to the next round with whoever is ready —
+a slow tool holds its own episode only. When nobody is ready it waits for the first tool reply.
+An engine that takes requests one at a time (vLLM's `submit`/`poll`) gets each turn the moment
+its episode is ready instead (continuous.py).
 
 The engine-facing call is the engine's own `generate(context_ids, sampling, stop_token_ids=,
 max_tokens=)`: token ids in, sampled ids and their logprobs out, stopping at the end-of-turn id
@@ -19,10 +20,12 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+from verl_hpc.roles.agent.continuous import run_continuous, takes_requests
 from verl_hpc.roles.agent.episode import Episode
 from verl_hpc.roles.agent.parsers import ToolCallParser
 from verl_hpc.roles.agent.render import ChatRenderer
 from verl_hpc.roles.agent.tool_runner import ToolOutcome, ToolRunner
+from verl_hpc.roles.allocator import generate_guarded
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +47,11 @@ class AgentLoop:
     """Runs episodes to the end. `run(...)` -> the finished `Episode`s, in the order given."""
 
     def __init__(self, engine: Any, tokenizer: Any, renderer: ChatRenderer, parser: ToolCallParser,
-                 runner: ToolRunner, multi_turn: Any, eot_ids: Sequence[int], max_context: int | None = None):
+                 runner: ToolRunner, multi_turn: Any, eot_ids: Sequence[int], max_context: int | None = None,
+                 allocator: Any = None):
         self.engine, self.tokenizer, self.renderer, self.parser, self.runner = \
             engine, tokenizer, renderer, parser, runner
+        self.allocator = allocator  # generation's OOM retries: a round is cut into smaller chunks
         self.cfg = multi_turn
         self.eot_ids = set(int(i) for i in eot_ids)
         self.tag_ids = set(end_tag_ids(tokenizer, parser.end_tags))
@@ -71,7 +76,17 @@ class AgentLoop:
     def run(self, episodes: list[Episode], sampling: Any, version: int) -> list[Episode]:
         """Every episode to its end; tool calls overlap generation of the other episodes."""
         self.max_new_tokens = sampling.max_new_tokens
-        ready = [e for e in episodes if not self._ended_by_budget(e, sampling)]
+        if takes_requests(self.engine):  # vLLM: each turn joins the running batch when its episode is ready
+            run_continuous(self, episodes, sampling, version)
+        else:
+            self.run_rounds(episodes, sampling, version)
+        for episode in episodes:
+            self.finish(episode)
+        return episodes
+
+    def run_rounds(self, episodes: list[Episode], sampling: Any, version: int) -> None:
+        """Rounds: every episode ready for its next turn goes to the engine in one call."""
+        ready = [e for e in episodes if not self.ended_by_budget(e, sampling)]
         waiting: list[Episode] = []
         while ready or waiting:
             if ready:
@@ -85,13 +100,10 @@ class AgentLoop:
             for episode in [e for e in waiting if e.pending is not None and e.pending.done()]:
                 waiting.remove(episode)
                 self.take_replies(episode, episode.pending.result())  # type: ignore[union-attr]
-                if not self._ended_by_budget(episode, sampling):
+                if not self.ended_by_budget(episode, sampling):
                     ready.append(episode)
-        for episode in episodes:
-            self.finish(episode)
-        return episodes
 
-    def _ended_by_budget(self, episode: Episode, sampling: Any) -> bool:
+    def ended_by_budget(self, episode: Episode, sampling: Any) -> bool:
         if episode.done:
             return True
         if self.budget(episode, sampling.max_new_tokens) <= 0:
@@ -102,8 +114,8 @@ class AgentLoop:
     def generate_round(self, ready: list[Episode], sampling: Any, version: int) -> None:
         """One engine call for every ready episode; each turn is then parsed and its calls started."""
         limits = [self.budget(e, sampling.max_new_tokens) for e in ready]
-        out = self.engine.generate([e.context() for e in ready], sampling, stop_token_ids=self.stop_ids,
-                                   max_tokens=limits)
+        out = generate_guarded(self.engine, [e.context() for e in ready], sampling, self.allocator,
+                               stop_token_ids=self.stop_ids, max_tokens=limits)
         for episode, ids, logprobs in zip(ready, out.response_ids, out.logprobs, strict=True):
             episode.add_sampled(list(ids), list(logprobs), version)
             self.after_turn(episode, list(ids))

@@ -35,25 +35,31 @@ def tools_kwargs_of(extra_info: str | None) -> dict[str, Any]:
     return found if isinstance(found, dict) else {}
 
 
+def checked_renderer(multi_turn: Any, tokenizer: Any, schemas: list[dict[str, Any]]) -> ChatRenderer:
+    """The run's chat template (`chat_template`, else the tokenizer's) over these tools, refused in
+    one line if it cannot hold a tool conversation."""
+    template = None
+    if multi_turn.chat_template is not None:
+        template = expand_path(multi_turn.chat_template).read_text()
+    renderer = ChatRenderer(tokenizer, schemas, template, f"rollout.multi_turn.chat_template {multi_turn.chat_template}")
+    renderer.check_tool_capable()
+    return renderer
+
+
 class AgentRollout:
     """Tools, template, parser and loop of a run; `rows(...)` samples a step's rows as episodes."""
 
     def __init__(self, multi_turn: Any, engine: Any, tokenizer: Any, eot_ids: list[int],
-                 max_context: int | None = None):
+                 max_context: int | None = None, allocator: Any = None):
         self.cfg = multi_turn
         self.tools = load_tools(multi_turn)
-        template = None
-        if multi_turn.chat_template is not None:
-            template = expand_path(multi_turn.chat_template).read_text()
-        self.renderer = ChatRenderer(tokenizer, self.tools.schemas, template,
-                                     f"rollout.multi_turn.chat_template {multi_turn.chat_template}")
-        self.renderer.check_tool_capable()
+        self.renderer = checked_renderer(multi_turn, tokenizer, self.tools.schemas)
         self.parser = get_parser(multi_turn.format)
         self.runner = ToolRunner(self.tools, multi_turn.tool_workers, multi_turn.tool_timeout_seconds,
                                  multi_turn.max_tool_response_length, multi_turn.tool_response_truncate_side,
                                  multi_turn.max_parallel_calls)
         self.loop = AgentLoop(engine, tokenizer, self.renderer, self.parser, self.runner, multi_turn, eot_ids,
-                              max_context)
+                              max_context, allocator)
         self.last_episodes: list[Episode] = []
         log.info("multi-turn rollouts: tools %s, format %s, template: %s", ", ".join(self.tools.tools),
                  multi_turn.format, self.renderer.source)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -43,10 +43,17 @@ def stop_token_ids(tokenizer, model_dir: str | None = None, model=None) -> list[
 
 @dataclass
 class Generation:
-    """One sampled response per input prompt, EOS included when it was produced."""
+    """One sampled response per input prompt, EOS included when it was produced.
+
+    Replayed agent episodes also carry their loss masks, turn bounds and versions and episode
+    records (`trajectory`, as `RolloutBatch.from_generation(trajectory=...)` takes them) and the
+    prompts they continue (`prompt_ids`: rendered with the tools, not the dataset's own ids).
+    """
 
     response_ids: list[list[int]]
     logprobs: list[list[float]]
+    trajectory: dict[str, list[Any]] | None = None
+    prompt_ids: list[list[int]] | None = None
 
 
 class RolloutEngine(Protocol):

@@ -13,6 +13,8 @@ from collections.abc import Callable
 import torch
 
 from verl_hpc.algo import masked_mean, masked_sum, masked_var
+from verl_hpc.data.rollout_batch import RolloutBatch
+from verl_hpc.data.trajectory import episode_counts, episode_metrics, episode_records
 
 Reducer = Callable[[torch.Tensor], torch.Tensor]  # a 1-D float64 CPU tensor -> its sum/max over ranks
 MASKED_KEYS = ("advantages", "returns", "values")
@@ -177,6 +179,16 @@ def data_metrics_reduced(scores: torch.Tensor, inputs: dict[str, torch.Tensor], 
     if "values" in inputs and "returns" in inputs:
         deviations = _reduce(deviation_partials(inputs, sums), reduce_sum)
     return metrics_from_partials(sums, maxes, deviations)
+
+
+def episode_metrics_reduced(batch: RolloutBatch, reduce_sum: Reducer, reduce_max: Reducer) -> dict[str, float]:
+    """`agent/*` over every trainer rank's episodes of the step, read from the rows' `trajectory`
+    records (so a split run's trainers see what its rollout ranks ran). Every trainer rank must
+    call it when episodes are on: a rank may hold none and still joins the reductions."""
+    sums, maxes = episode_counts(episode_records(batch) or [])
+    sums_t = {k: torch.tensor(v, dtype=torch.float64) for k, v in sums.items()}
+    maxes_t = {k: torch.tensor(v, dtype=torch.float64) for k, v in maxes.items()}
+    return episode_metrics(_reduce(sums_t, reduce_sum), _reduce(maxes_t, reduce_max))
 
 
 def perf_metrics(total_tokens: float, step_seconds: float) -> dict[str, float]:
