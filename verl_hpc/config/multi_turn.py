@@ -54,7 +54,8 @@ class MultiTurnConfig(StrictModel):
                                       "tokenizer whose own template ignores them, e.g. plain ChatML)")
     tool_timeout_seconds: float = Field(30.0, gt=0, description="a call running longer becomes an error "
                                         "message to the model")
-    tool_workers: int = Field(8, ge=1, description="tool calls running at once, over all episodes of a step")
+    tool_workers: int = Field(64, ge=1, description="tool calls running at once, over all episodes of a step "
+                              "(threads: a call waiting on I/O costs a thread, not a core)")
     max_response_tokens: int | None = Field(None, ge=1, description="the whole response (model and inserted "
                                             "tokens) at most; an episode reaching it ends truncated. Unset = "
                                             "the model's context minus the prompt")

@@ -15,17 +15,31 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import random
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from verl_hpc.roles.agent.episode import Episode
-
-if TYPE_CHECKING:
-    from verl_hpc.roles.agent.loop import AgentLoop
+from verl_hpc.roles.agent.tool_runner import ToolOutcome
 
 POLL_SECONDS_WITH_TOOLS = 0.02  # how long a poll may step the engine while tool replies may come in
 POLL_SECONDS = 5.0
+
+
+class TurnHandler(Protocol):
+    """What continuous batching needs of the agent loop (loop.py's `AgentLoop`): the engine, the
+    stop ids, each episode's budget, and what to do with a finished turn and with tool replies."""
+
+    engine: Any
+    stop_ids: list[int]
+
+    def budget(self, episode: Episode, max_new_tokens: int) -> int: ...
+
+    def ended_by_budget(self, episode: Episode, sampling: Any) -> bool: ...
+
+    def after_turn(self, episode: Episode, ids: list[int]) -> None: ...
+
+    def take_replies(self, episode: Episode, outcomes: list[ToolOutcome]) -> None: ...
 
 
 def takes_requests(engine: Any) -> bool:
@@ -38,7 +52,7 @@ def turn_seed(step_seed: int, episode: Episode) -> int:
     return random.Random(f"{step_seed}/{episode.key}/{episode.assistant_turns}").randrange(2**31 - 1)
 
 
-def run_continuous(loop: AgentLoop, episodes: list[Episode], sampling: Any, version: int) -> None:
+def run_continuous(loop: TurnHandler, episodes: list[Episode], sampling: Any, version: int) -> None:
     """Every episode to its end, each turn submitted as soon as its episode is ready."""
     step_seed = int(torch.randint(0, 2**31 - 1, (1,)).item())  # the step's RNG: the same on a resume
     position = {id(e): i for i, e in enumerate(episodes)}  # an episode's key on the engine

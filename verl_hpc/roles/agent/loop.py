@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import logging
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -58,6 +59,7 @@ class AgentLoop:
         self.stop_ids = sorted(self.eot_ids | self.tag_ids)
         self.max_context = max_context
         self.max_new_tokens = 0  # the model's token budget of the episodes in flight (sampling.max_new_tokens)
+        self.round_seconds = 0.0  # the latest round's generation time: how long replies are gathered
 
     def start(self, key: tuple[int, int, int], prompt: Any, tools_kwargs: dict[str, Any] | None) -> Episode:
         from verl_hpc.roles.agent.render import as_messages
@@ -96,12 +98,23 @@ class AgentLoop:
                 if self.cfg.deterministic_rounds and waiting:  # every reply in before the next round
                     cf.wait([e.pending for e in waiting])  # type: ignore[misc]
             elif waiting:
-                cf.wait([e.pending for e in waiting], return_when=cf.FIRST_COMPLETED)  # type: ignore[misc]
+                self.wait_for_replies([e.pending for e in waiting])  # type: ignore[misc]
             for episode in [e for e in waiting if e.pending is not None and e.pending.done()]:
                 waiting.remove(episode)
                 self.take_replies(episode, episode.pending.result())  # type: ignore[union-attr]
                 if not self.ended_by_budget(episode, sampling):
                     ready.append(episode)
+
+    def wait_for_replies(self, pending: list[cf.Future]) -> None:
+        """The first reply, then the others that come within one round's generation time.
+
+        Why gather: an HF round costs about the same for one episode as for all of them, and
+        replies of one round come close together; going on with the first alone would spend a
+        whole round on it and another on each straggler. A reply later than that window (a slow
+        call) does not hold the others: they go on without it.
+        """
+        cf.wait(pending, return_when=cf.FIRST_COMPLETED)
+        cf.wait(pending, timeout=self.round_seconds)
 
     def ended_by_budget(self, episode: Episode, sampling: Any) -> bool:
         if episode.done:
@@ -114,8 +127,10 @@ class AgentLoop:
     def generate_round(self, ready: list[Episode], sampling: Any, version: int) -> None:
         """One engine call for every ready episode; each turn is then parsed and its calls started."""
         limits = [self.budget(e, sampling.max_new_tokens) for e in ready]
+        started = time.perf_counter()
         out = generate_guarded(self.engine, [e.context() for e in ready], sampling, self.allocator,
                                stop_token_ids=self.stop_ids, max_tokens=limits)
+        self.round_seconds = time.perf_counter() - started
         for episode, ids, logprobs in zip(ready, out.response_ids, out.logprobs, strict=True):
             episode.add_sampled(list(ids), list(logprobs), version)
             self.after_turn(episode, list(ids))
