@@ -32,8 +32,10 @@ from typing import Any
 
 import torch
 
+from bench import SMOLLM2, SMOLLM2_MISSING
+from bench import summary as _summary
+
 HERE = Path(__file__).resolve().parent
-SMOLLM2 = Path("~/.cache/verl-hpc/models/smollm2-135m-instruct").expanduser()
 LATENCY_TARGET, REAL_MODEL_TARGET = 1.2, 1.3
 TOOL_SLEEP_S = 0.1
 MODES = ("instant", "sleep", "serial")
@@ -49,10 +51,6 @@ def peek(**state: Any) -> str:
         with _ONE_AT_A_TIME:
             time.sleep(TOOL_SLEEP_S)
     return str(state.get("digit", "empty"))
-
-
-def _summary(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
 def _timed_steps(trainer: Any, after: Callable[[Any, int], None]) -> list[tuple[float, dict[str, float]]]:
@@ -206,7 +204,7 @@ def run(quick: bool = False, scratch: str | None = None) -> dict[str, Any]:
         if quick:
             out["real_model"] = {"skipped": "not run in --quick mode (minutes of SmolLM2 steps)"}
         elif not (SMOLLM2 / "config.json").exists():
-            out["real_model"] = {"skipped": f"{SMOLLM2} missing: run `.venv/bin/python tools/make_smollm2.py`"}
+            out["real_model"] = {"skipped": SMOLLM2_MISSING}
         else:
             out["real_model"] = measure_real_model(work, reps=3)
     finally:
