@@ -3,8 +3,8 @@
 Every prompt is the same question ("what is in the box"); each row hides its own digit, given
 to the `peek` tool through verl's per-row `extra_info.tools_kwargs.peek.create_kwargs`. The
 model cannot see it, memorise it from the prompt or guess it better than the most frequent
-digit of the data (`best_constant_accuracy`, about 1/10): a policy that ignores tool replies is
-capped there, whatever it does. A policy that calls `peek` and copies the reply scores 1.
+digit of the data (`best_constant_accuracy`; the digits run 0..`data.task.max_operand`, 0..4 by
+default, so about 1/5): a policy that ignores tool replies is capped there, whatever it does. A policy that calls `peek` and copies the reply scores 1.
 
 The reward is shaped in two steps, both measured necessary for the tiny model: an answer given
 without opening the box scores 0 (a guess is not knowing; without that rule a random policy
@@ -19,9 +19,10 @@ Why the tiny model can learn it (`tiny-agent` preset, ~50 tokens, the call one t
 policy ends about one first turn in eight with the call, so most groups of 8 have reward spread
 from the first step. Measured with configs/agent_quickstart.yaml (64 episodes a step): the policy
 opens the box in nearly every episode after ~30 steps; what is then left is "copy the digit of
-the reply" — ten conditional copies, smaller than the arithmetic task's table, but not yet seen
-learned within 75 steps. Scoring is the arithmetic task's: the first integer of the final
-answer, 1 when that is all it says and it ended its turn, 0.5 when it runs on.
+the reply". That is not learned yet: with digits 0..3 and 150-200 steps the answer turn never
+learned to end, and the policy settled on a look plus a run-on answer that ignores the reply.
+Scoring is the arithmetic task's: the first integer of the final answer, 1 when that is all it
+says and it ended its turn, 0.5 when it runs on.
 """
 
 from __future__ import annotations
