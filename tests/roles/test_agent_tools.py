@@ -172,3 +172,15 @@ def test_multi_turn_config_checks(tmp_path, tiny_model_dir) -> None:
         load_config(data={**base, "rollout": {"multi_turn": {"max_assistant_turns": 0}}})
     cfg = load_config(data={**base, "rollout": {"multi_turn": {"enable": True, "tools": [spec("add")]}}})
     assert cfg.rollout.multi_turn.user_turns == 5 and SimpleNamespace  # verl's default: as many as assistant turns
+
+
+def test_the_calculator_example_tool_computes_and_refuses_code() -> None:
+    """examples/gsm8k/calculator.py: a valid tool; arithmetic answers, anything else raises (an error reply)."""
+    tools = load_tools(MultiTurnConfig(tools=[f"{REPO / 'examples' / 'gsm8k' / 'calculator.py'}:calculator"]))
+    schema = tools.schemas[0]["function"]
+    assert schema["name"] == "calculator" and schema["parameters"]["required"] == ["expression"]
+    calculator = tools.tools["calculator"].fn
+    assert calculator(expression="(3 + 4) * 2") == "14" and calculator(expression="7 / 2") == "3.5"
+    for bad in ("__import__('os').system('id')", "2 ** 10 ** 10", "x + 1", "1" * 201):
+        with pytest.raises(ValueError):
+            calculator(expression=bad)
