@@ -33,6 +33,7 @@ SCHEMA = pa.schema([
     pa.field("extra_info", pa.string()),   # the dataset's `extra_info`, as JSON text (any shape)
     pa.field("score", pa.float32()),
     pa.field("baseline_score", pa.float32()),  # the prompt's greedy response's score (ReMax)
+    pa.field("judge_verdict", pa.string()),  # an LLM judge's raw verdict (reward.judge), for the samples log
     *[pa.field(name, pa.list_(pa.float32())) for name in TOKEN_FLOAT_COLUMNS],
 ])
 
@@ -144,7 +145,7 @@ def _upgrade(batch: pa.RecordBatch) -> pa.RecordBatch:
     """Batches saved by an earlier version (checkpointed rollout buffers, recorded rollouts).
 
     `sample_index` is derived from the row order; a nullable column that did not exist yet
-    (`data_source`, `extra_info`, `baseline_score`) is all nulls, which is what a dataset without it gives.
+    (`data_source`, `extra_info`, `baseline_score`, `judge_verdict`) is all nulls, which is what a dataset without it gives.
     """
     names = set(batch.schema.names)
     if all(f.name in names for f in SCHEMA):
@@ -218,6 +219,7 @@ class RolloutBatch:
             else pa.nulls(n, pa.string()),
             "score": pa.nulls(n, pa.float32()),
             "baseline_score": pa.nulls(n, pa.float32()),
+            "judge_verdict": pa.nulls(n, pa.string()),
         }
         for name in TOKEN_FLOAT_COLUMNS:
             columns[name] = pa.nulls(n, pa.list_(pa.float32()))
