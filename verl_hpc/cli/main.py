@@ -66,10 +66,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from verl_hpc.runtime.step.memory import plan_run
 
     cfg = load_config(args.config, args.overrides)
-    if cfg.model.memory_plan == "off":
-        print("model.memory_plan is off: every switch runs as configured")
-    plans = plan_run(cfg.model_copy(update={"model": cfg.model.model_copy(update={"memory_plan": "auto"})}),
-                     explicit_fields(cfg))
+    plans = plan_run(cfg, explicit_fields(cfg))  # model.memory_plan: off estimates the switches as written
     if not plans:
         raise ConfigError("model.path", f"no config.json in {cfg.model.path} to read the model's shape from",
                           "build or download the model first (an init_preset model is built by `verl-hpc train`)")

@@ -28,7 +28,7 @@ from verl_hpc.runtime.build import Roles
 from verl_hpc.runtime.process.signals import StopFlag
 from verl_hpc.runtime.step.baselines import add_greedy_baselines
 from verl_hpc.runtime.step.counters import Timer
-from verl_hpc.runtime.step.memory import MemoryWatch, apply_live, observed_shape
+from verl_hpc.runtime.step.memory import MemoryWatch, apply_live, live_switches, observed_shape
 from verl_hpc.runtime.step.stages import ActorUpdate, Placement, Seat, StepData, SyncReport
 from verl_hpc.runtime.step.validation import validation_rows
 
@@ -205,7 +205,7 @@ class LocalStages:
         def agree_max(value: float) -> float:
             return float(self.collectives.reduce_max(torch.tensor([value], dtype=torch.float64))[0])
 
-        out = {**measured, **watch.estimate_metrics(seen)}
+        out = {**measured, **watch.estimate_metrics(seen), **live_switches(self.roles, self.seat.plan)}
         switches = watch.check(seen, step_peak, agree_max)
         if switches is not None:
             apply_live(self.cfg, self.roles, self.seat.plan, switches)

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from verl_hpc.config import RunConfig
+from verl_hpc.config.explicit import MEMORY_SWITCHES
 from verl_hpc.roles.memory.budget import Budget, device_budget, runtime_floor
 from verl_hpc.roles.memory.estimate import RUNTIME_GROWTH_CPU
 from verl_hpc.roles.memory.plan import GIB, MemoryPlan, plan_memory
@@ -45,7 +46,8 @@ class MemorySeat:
 
 
 def model_shape(cfg: RunConfig, actor_model: Any = None) -> ModelShape | None:
-    """The policy's shape from its `config.json` (or a model object's config); None if unreadable."""
+    """The policy's shape from its `config.json` (or a model object's config, or the `init_preset` a
+    model not built yet will have); None if none of them can be read."""
     config = getattr(actor_model, "config", None)
     if config is not None and hasattr(config, "to_dict"):
         return ModelShape.from_hf_config(config.to_dict())
@@ -53,7 +55,16 @@ def model_shape(cfg: RunConfig, actor_model: Any = None) -> ModelShape | None:
     try:
         return ModelShape.from_hf_config(json.loads(path.read_text()))
     except (OSError, KeyError, ValueError, TypeError):
+        pass
+    from verl_hpc.models.tiny import PRESETS
+
+    preset = PRESETS.get(cfg.model.init_preset or "")
+    if preset is None:
         return None
+    heads = preset.num_heads
+    return ModelShape(hidden=preset.hidden_size, layers=preset.num_layers, heads=heads, kv_heads=preset.num_kv_heads,
+                      head_dim=preset.hidden_size // heads, intermediate=preset.intermediate_size,
+                      vocab=preset.vocab_size, tied=preset.tie_word_embeddings, qkv_bias=preset.family == "qwen2")
 
 
 def config_switches(cfg: RunConfig, mini_rows: int) -> Switches:
@@ -133,14 +144,14 @@ def plan_process(cfg: RunConfig, seat: MemorySeat, explicit: frozenset[str], act
                  agree: Callable[[int], int] | None = None,
                  budget: Budget | None = None) -> tuple[RunConfig, MemoryWatch | None]:
     """The config this process runs with under `model.memory_plan`, and the watch that keeps its plan
-    (None when the plan is off or the model's shape cannot be read).
+    (None when the model's shape cannot be read). With the plan off the config is returned as it is,
+    and the watch only logs the estimate.
 
     `agree`: the smallest of a number over the process's group (every rank must cut its
     micro-batches alike under FSDP, so every rank plans for the group's smallest budget).
     `budget`: instead of measuring this process's device (`verl-hpc plan` for another machine).
     """
-    if cfg.model.memory_plan == "off":
-        return cfg, None
+    off = cfg.model.memory_plan == "off"  # the estimate is still logged beside the measured peak
     shape = model_shape(cfg, actor_model)
     if shape is None:
         log.warning("memory plan: cannot read %s/config.json; the switches stay as configured", cfg.model.path)
@@ -153,15 +164,21 @@ def plan_process(cfg: RunConfig, seat: MemorySeat, explicit: frozenset[str], act
     mini = _mini_rows(cfg, seat.group_size)
     locked = explicit | ({"algorithm.use_dynamic_bsz", "algorithm.micro_batch_size"}
                          if cfg.algorithm.step_kind == "dpo" else frozenset())
+    locked = locked | frozenset(MEMORY_SWITCHES) if off else locked
     budget_tokens = cfg.algorithm.max_token_len_per_gpu if "algorithm.max_token_len_per_gpu" in explicit else None
     plan = plan_memory(shape, work, config_switches(cfg, mini), locked, budget, cfg.model.memory_headroom,
-                       mini_rows=mini, budget_tokens=budget_tokens, generate_chunks=cfg.trainer.oom_retry,
-                       process=f"{seat.name} on {seat.device}")
-    planned = cfg.model_copy(deep=True)
-    apply_switches(planned, plan.switches)
+                       mini_rows=mini, budget_tokens=budget_tokens, generate_chunks=cfg.trainer.oom_retry and not off,
+                       economy=False if off else None, process=f"{seat.name} on {seat.device}")
+    if off:
+        plan.decisions, plan.process = [], f"{plan.process} (model.memory_plan: off, the switches as configured)"
     for line in plan.lines():
         log.info("%s", line)
-    watch = MemoryWatch(plan, shape, work, locked, mini, cfg.model.memory_budget_gb, seat.device, seat.processes)
+    watch = MemoryWatch(plan, shape, work, locked, mini, cfg.model.memory_budget_gb, seat.device, seat.processes,
+                        replan=not off)
+    if off:
+        return cfg, watch
+    planned = cfg.model_copy(deep=True)
+    apply_switches(planned, plan.switches)
     return planned, watch
 
 
@@ -221,8 +238,9 @@ class MemoryWatch:
     when the step needed more than estimate + headroom, or the budget no longer holds the plan."""
 
     def __init__(self, plan: MemoryPlan, shape: ModelShape, work: Workload, explicit: frozenset[str],
-                 mini_rows: int, override_gb: float | None, device: torch.device, processes: int = 1):
-        self.plan, self.shape, self.work, self.explicit = plan, shape, work, explicit
+                 mini_rows: int, override_gb: float | None, device: torch.device, processes: int = 1,
+                 replan: bool = True):
+        self.plan, self.shape, self.work, self.explicit, self.replan = plan, shape, work, explicit, replan
         self.mini_rows, self.override_gb, self.device, self.processes = mini_rows, override_gb, device, processes
         self.correction = 1.0  # measured / estimated, once a step needed more than planned
         self.replans = 0
@@ -248,6 +266,8 @@ class MemoryWatch:
 
     def check(self, seen: Observed, measured_peak: float, agree_max: Callable[[float], float]) -> Switches | None:
         """New switches when the plan must change (every trainer rank gets the same answer), else None."""
+        if not self.replan:
+            return None
         estimated = self.estimate_for(seen)
         ratio = agree_max(measured_peak / max(estimated, 1))
         budget = seat_budget(MemorySeat((), self.device, processes=self.processes), self.override_gb)
@@ -312,3 +332,17 @@ def attach_watch(placement: Any, watch: MemoryWatch | None) -> None:
     rows = watch.plan.switches.generate_rows
     if rows is not None:
         placement.roles.allocator.sizes["generate"] = rows
+
+
+def live_switches(roles: Any, update_plan: Any) -> dict[str, float]:
+    """The memory switches this step ran with, read from the roles themselves (`memory/switch/*`)."""
+    from verl_hpc.roles.fsdp import activation_checkpointing_on
+
+    actor = roles.actor
+    out = {"memory/switch/micro_batch_size": float(update_plan.micro_batch_size),
+           "memory/switch/token_budget": float(update_plan.token_budget or 0)}
+    if actor is not None:
+        out.update({"memory/switch/gradient_checkpointing": float(activation_checkpointing_on(actor.model)),
+                    "memory/switch/remove_padding": float(actor.remove_padding),
+                    "memory/switch/logprob_chunk_tokens": float(actor.chunk_tokens)})
+    return out
