@@ -4,10 +4,11 @@ function that combines its own check with the judge's verdict)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
-from tests.conftest import smollm2_dir
 from verl_hpc.config import ConfigError, load_config
 from verl_hpc.config.reward import JudgeConfig
 from verl_hpc.data.rollout_batch import RolloutBatch
@@ -46,6 +47,29 @@ def test_a_judge_that_cannot_reach_the_function_is_refused() -> None:
                     combine=RuleReward(no_judge_kwarg, tokenizer=None))
 
 
+@pytest.mark.parametrize("on_error", ["fail", "zero", "skip"])
+def test_a_real_tiny_judge_that_never_writes_the_pattern_follows_on_error(tiny_model_dir: Path,
+                                                                         on_error: str) -> None:
+    """The locally built tiny model as the judge: real generation, verdicts that never match."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    batch = _batch(tokenizer, ["5", "7", "5", "9"], [0, 0, 1, 1])
+    judge = JudgeConfig(model_path=str(tiny_model_dir), parse=r"VERDICT=(\d+)", max_new_tokens=3)
+    reward = JudgeReward(judge, tokenizer, torch.device("cpu"), on_error=on_error)
+    if on_error == "fail":
+        with pytest.raises(RewardError, match="the judge .* has no score"):
+            reward.score(batch)
+        return
+    out = scored(batch, reward)
+    assert out.scores().tolist() == [0.0] * 4  # zero: 0; skip: the group's mean of nothing scored is 0
+    assert len(out.column("judge_verdict").to_pylist()) == 4  # the raw verdicts are kept all the same
+    metrics = reward.metrics()
+    assert metrics["reward/errors"] == 4 and metrics["reward/judge/unparsable"] == 4
+    assert metrics["reward/judge/calls"] == 3  # the two "5"s of one prompt: judged once
+    reward.close()
+
+
 def _batch(tokenizer, responses: list[str], groups: list[int]) -> RolloutBatch:
     prompt = tokenizer("What is 2 + 3?", add_special_tokens=False)["input_ids"]
     ids = [tokenizer(r, add_special_tokens=False)["input_ids"] for r in responses]
@@ -54,10 +78,10 @@ def _batch(tokenizer, responses: list[str], groups: list[int]) -> RolloutBatch:
 
 
 @pytest.mark.slow
-def test_smollm2_judges_rows_once_each_and_unparsable_verdicts_follow_on_error() -> None:
+def test_smollm2_judges_rows_once_each_and_unparsable_verdicts_follow_on_error(smollm2_model: Path) -> None:
     from transformers import AutoTokenizer
 
-    model = smollm2_dir()
+    model = smollm2_model
     tokenizer = AutoTokenizer.from_pretrained(model)
     batch = _batch(tokenizer, ["5", "7", "5", "The answer is 5."], [0, 0, 1, 1])
     judge = JudgeConfig(model_path=str(model), max_new_tokens=6, batch_size=2)
