@@ -84,7 +84,7 @@ class RewardConfig(StrictModel):
     custom_reward_function: CustomRewardFunction | None = Field(None, description="verl's form of a rule "
                                                                 "reward: `{path, name}`")
     model_path: str | None = None
-    judge: JudgeConfig | None = Field(None, description="an LLM judge scores each response (docs/reward.md); "
+    judge: JudgeConfig | None = Field(None, description="an LLM judge scores each response (docs/judge.md); "
                                       "with a function as well, the function gets the judge's verdict as its "
                                       "`judge` keyword argument and returns the score")
     # A score that is not a finite number, or a function that raises: stop the run (fail),
