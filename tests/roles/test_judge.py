@@ -1,6 +1,6 @@
-"""The LLM judge as a reward: its config checks, verdict parsing, and SmolLM2-135M-Instruct judging
-real rows in this process (the step's cache, `reward.on_error` on an unparsable verdict, a rule
-function that combines its own check with the judge's verdict)."""
+"""The LLM judge as a reward: its config checks, verdict parsing, real judges in this process: the
+locally built tiny model (verdicts with no score follow `reward.on_error`) and SmolLM2-135M-Instruct
+(the step's cache, a rule function that combines its own check with the judge's verdict)."""
 
 from __future__ import annotations
 
@@ -78,40 +78,33 @@ def _batch(tokenizer, responses: list[str], groups: list[int]) -> RolloutBatch:
 
 
 @pytest.mark.slow
-def test_smollm2_judges_rows_once_each_and_unparsable_verdicts_follow_on_error(smollm2_model: Path) -> None:
+def test_smollm2_judges_each_pair_once_and_feeds_its_verdict_to_a_rule(smollm2_model: Path) -> None:
+    """One SmolLM2 judge (loaded once: the slow part): the step's cache, the verdicts beside the
+    scores, and a rule function that combines its own check with the judge's score."""
     from transformers import AutoTokenizer
 
-    model = smollm2_model
-    tokenizer = AutoTokenizer.from_pretrained(model)
-    batch = _batch(tokenizer, ["5", "7", "5", "The answer is 5."], [0, 0, 1, 1])
-    judge = JudgeConfig(model_path=str(model), max_new_tokens=6, batch_size=2)
-    reward = JudgeReward(judge, tokenizer, torch.device("cpu"), on_error="fail")
-    out = scored(batch, reward)
-    verdicts = out.column("judge_verdict").to_pylist()
-    assert len(verdicts) == 4 and all(isinstance(v, str) and v for v in verdicts)
-    assert verdicts[0] == verdicts[2]  # the same (prompt, response): one call, one verdict
-    metrics = reward.metrics()
-    assert metrics["reward/judge/calls"] == 3 and metrics["reward/judge/cached"] == 1
-    assert torch.equal(out.scores(), torch.tensor([parse_verdict(v, "number") for v in verdicts]))
-    assert torch.equal(reward.score(batch), out.scores())  # greedy: the same verdicts again (cached)
-
-    never = judge.model_copy(update={"parse": r"VERDICT=(\d+)"})  # SmolLM2 never writes this
-    strict = JudgeReward(never, tokenizer, torch.device("cpu"), on_error="fail")
-    with pytest.raises(RewardError, match="has no score"):
-        strict.score(batch)
-    zero = JudgeReward(never, tokenizer, torch.device("cpu"), on_error="zero")
-    assert torch.equal(zero.score(batch), torch.zeros(4)) and zero.metrics()["reward/errors"] == 4
-    reward.close()
-
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_model)
+    responses = ["5", "7", "5", "The answer is 5."]
+    batch = _batch(tokenizer, responses, [0, 0, 1, 1])
     seen: list[dict] = []
 
     def rule_and_judge(prompt: str, response: str, ground_truth: str, judge: dict | None = None) -> float:
         seen.append(judge)
         return (ground_truth in response) + judge["score"] / 10
 
-    combined = JudgeReward(judge, tokenizer, torch.device("cpu"), combine=RuleReward(rule_and_judge, tokenizer))
-    scores = combined.score(batch)
+    judge = JudgeConfig(model_path=str(smollm2_model), max_new_tokens=6, batch_size=2)
+    reward = JudgeReward(judge, tokenizer, torch.device("cpu"), on_error="fail",
+                         combine=RuleReward(rule_and_judge, tokenizer))
+    out = scored(batch, reward)
+    verdicts = out.column("judge_verdict").to_pylist()
+    assert len(verdicts) == 4 and all(isinstance(v, str) and v for v in verdicts)
+    assert verdicts[0] == verdicts[2]  # the same (prompt, response): one call, one verdict
+    metrics = reward.metrics()
+    assert metrics["reward/judge/calls"] == 3 and metrics["reward/judge/cached"] == 1
     assert [j["verdict"] for j in seen] == verdicts
-    expected = [("5" in r) + parse_verdict(v, "number") / 10 for r, v in zip(["5", "7", "5", "The answer is 5."],
-                                                                              verdicts, strict=True)]
-    assert scores.tolist() == pytest.approx(expected)
+    assert [j["score"] for j in seen] == [parse_verdict(v, "number") for v in verdicts]
+    expected = [("5" in r) + parse_verdict(v, "number") / 10 for r, v in zip(responses, verdicts, strict=True)]
+    assert out.scores().tolist() == pytest.approx(expected)
+    assert torch.equal(reward.score(batch), out.scores())  # the same step again: all from the cache
+    assert reward.metrics()["reward/judge/cached"] == 4
+    reward.close()
