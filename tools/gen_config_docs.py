@@ -54,6 +54,8 @@ DESCRIPTIONS: dict[str, str] = {
     "checkpoint": "checkpoint cadence, retention and resume",
     "logging": "metric sinks (TensorBoard, JSONL, Prometheus, wandb, MLflow), sample tables, progress, log level",
     "slurm": "Slurm job settings (used when submitting; `verl-hpc train` ignores them)",
+    "rollout": "how responses are produced beyond sampling: multi-turn agent episodes with tools (docs/agents.md)",
+    "rollout.multi_turn": "agent episodes: generate, call tools, read their replies, generate again (verl's keys)",
     "run_dir": "output directory (`~`/`$VARS` expand); `--run-dir` wins; unset = `runs/<trainer.run_name>`",
     # model
     "model.path": "local Hugging Face directory of the policy; must hold `config.json` unless `init_preset` is set",
@@ -66,7 +68,9 @@ DESCRIPTIONS: dict[str, str] = {
     "data.train_files": "prompt files (`.parquet`, `.jsonl`, `.json`), read in order and concatenated",
     "data.task": "a built-in synthetic task; its prompts go to `<run_dir>/data/`, read after `train_files`",
     "data.task.name": "which task: `arithmetic` is single-digit addition, `a+b=` → the sum; "
-                      "`arithmetic_preference` the same prompts as DPO pairs (the sum chosen, a wrong one rejected)",
+                      "`arithmetic_preference` the same prompts as DPO pairs (the sum chosen, a wrong one rejected); "
+                      "`hidden_digit` a multi-turn task: call the `peek` tool and answer with the digit it tells "
+                      "(with `rollout.multi_turn` and the `tiny-agent` preset)",
     "data.task.num_prompts": "number of prompts written (rows of `<run_dir>/data/<name>_prompts.parquet`)",
     "data.task.max_operand": "largest operand: prompts are `a+b=` with a, b in 0..max_operand",
     "data.task.seed": "seed of the prompt generator",
@@ -91,8 +95,6 @@ DESCRIPTIONS: dict[str, str] = {
     "algorithm.sampling.max_new_tokens": "response length cap in tokens (hits count in `response_length/clip_ratio`)",
     "algorithm.sampling.stop": "stop strings: a response ends after the first one it produces",
     "algorithm.kl": "KL penalty to the frozen reference policy",
-    "algorithm.kl.estimator": "per-token KL estimator: `k1` log-ratio, `k2` squared, `k3` low-variance; "
-                              "`off` = no ref model",
     "algorithm.kl.coef": "weight of the KL penalty; 0 also skips the ref model",
     "algorithm.kl.in_reward": "PPO: subtract coef × KL from the token rewards instead of adding it to the "
                               "actor loss (GRPO then applies no KL at all)",
@@ -103,8 +105,6 @@ DESCRIPTIONS: dict[str, str] = {
     "algorithm.gamma": "PPO: per-token discount in GAE",
     "algorithm.lam": "PPO: GAE λ, bias (0) versus variance (1 = Monte Carlo returns)",
     "algorithm.norm_adv_by_std": "GRPO: divide advantages by the group's std; false = subtract the mean only",
-    "algorithm.loss_agg_mode": "how token losses reduce: mean over all tokens, or per sequence "
-                               "(mean or sum) then mean over sequences",
     "algorithm.ppo_epochs": "passes over each step's batch (each pass shuffles and cuts mini-batches)",
     "algorithm.mini_batch_size": "sequences per optimizer step; null = the whole `trainer.batch_size`",
     "algorithm.micro_batch_size": "sequences per forward/backward (gradient accumulation); null = a mini-batch",

@@ -10,13 +10,13 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
-import signal
 import sys
 from collections.abc import Sequence
 
 from verl_hpc.cli.elastic_cmds import ELASTIC_PARSERS
 from verl_hpc.cli.report_cmds import REPORT_PARSERS
 from verl_hpc.cli.slurm_cmds import SLURM_PARSERS
+from verl_hpc.cli.verl_cmds import VERL_PARSERS
 from verl_hpc.config import ConfigError
 from verl_hpc.utils.version import VERSION as __version__
 
@@ -29,6 +29,7 @@ EPILOG = """examples:
   verl-hpc config show configs/quickstart.yaml           # the resolved, validated config
   verl-hpc plan configs/smollm2_gsm8k.yaml               # the memory plan and estimate, without training
   verl-hpc ckpt list runs/quickstart
+  verl-hpc verl algorithm.adv_estimator=grpo data.train_files=train.parquet ...   # a verl command line
 
 Run `verl-hpc COMMAND --help` for a command's options; docs: README.md and docs/."""
 
@@ -87,11 +88,9 @@ def _add_init_model(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from verl_hpc.checkpoint.layout import CheckpointError
+    from verl_hpc.cli.run_report import train_and_report
     from verl_hpc.config import load_config
     from verl_hpc.config.machine import check_machine
-    from verl_hpc.launch.local import WorkerFailure
-    from verl_hpc.launch.train import train
     from verl_hpc.runtime.state.run_dir import ALLOW_ENV, named_run_dir
 
     cfg = load_config(args.config, args.overrides)
@@ -99,31 +98,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     run_dir = args.run_dir or str(named_run_dir(cfg, args.config))
     if args.allow_config_change:
         os.environ[ALLOW_ENV] = "1"
-    again = shlex.join(["verl-hpc", "train", args.config, *args.overrides, "--run-dir", run_dir])
-    try:
-        result = train(cfg, run_dir=run_dir)
-    except (WorkerFailure, CheckpointError) as failure:  # a checkpoint write failed: disk full, I/O error
-        # A leading newline: torch's writer threads may still be printing their own traceback,
-        # and our one line must start a line of its own.
-        sys.stderr.flush()
-        print(f"\nverl-hpc: error: {failure}", file=sys.stderr, flush=True)
-        print(f"verl-hpc: {run_dir} is kept; once fixed, continue with: {again}", file=sys.stderr, flush=True)
-        return 1
-    score_key = "critic/score/mean" if "critic/score/mean" in result.last_metrics else "dpo/reward_accuracy"
-    score = result.last_metrics.get(score_key)
-    print(f"run directory: {result.run_dir}")
-    if result.stopped_by is not None:
-        print(f"stopped by {result.stopped_by} after step {result.steps}; the checkpoint is saved. "
-              f"To resume: {again}")
-        return 128 + getattr(signal.Signals, result.stopped_by, signal.SIGTERM).value
-    print(f"steps: {result.steps}   final {score_key}: {score:.4f}" if score is not None else "")
-    for key, value in sorted(result.last_metrics.items()):
-        if key.startswith("val-core/"):
-            print(f"validation:    {key} {value:.4f}")
-    print(f"tensorboard:   tensorboard --logdir {result.run_dir / 'tensorboard'}")
-    if result.hf_model_dir is not None:
-        print(f"trained model: {result.hf_model_dir}")
-    return 0
+    return train_and_report(cfg, run_dir, shlex.join(["verl-hpc", "train", args.config, *args.overrides,
+                                                      "--run-dir", run_dir]))
 
 
 def _cmd_config_show(args: argparse.Namespace) -> int:
@@ -195,8 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"verl-hpc {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_train, _add_config, _add_plan, _add_init_model, _add_ckpt, _add_export, *SLURM_PARSERS, *ELASTIC_PARSERS,
-                *REPORT_PARSERS):
+    for add in (_add_train, _add_config, _add_plan, _add_init_model, _add_ckpt, _add_export, *SLURM_PARSERS,
+                *ELASTIC_PARSERS, *REPORT_PARSERS, *VERL_PARSERS):
         add(sub)
     return parser
 

@@ -18,6 +18,7 @@ from verl_hpc.utils.fs import expand_path
 
 if TYPE_CHECKING:
     from verl_hpc.config.schema import RunConfig
+    from verl_hpc.config.sources import ReasoningGymConfig
 
 DATA_SUFFIXES = (".parquet", ".jsonl", ".json")
 
@@ -160,9 +161,12 @@ def check_model(cfg: RunConfig) -> None:
 
 def check_data(cfg: RunConfig) -> None:
     data = cfg.data
-    if not data.train_files and data.task is None:
+    if not data.train_files and data.task is None and data.reasoning_gym is None:
         raise FieldError("data.train_files", "no prompts: the list is empty and data.task is not set",
-                         "list Parquet/JSONL files or set data.task.name: arithmetic")
+                         "list Parquet/JSONL files, set data.task.name: arithmetic, or "
+                         "data.reasoning_gym.tasks: [basic_arithmetic]")
+    if data.reasoning_gym is not None:
+        check_reasoning_gym(data.reasoning_gym)
     for i, name in enumerate(data.train_files):
         field = f"data.train_files[{i}]"
         path = expand_path(name)
@@ -295,3 +299,51 @@ def check_roles(cfg: RunConfig) -> None:
     if cfg.checkpoint.resume not in ("auto", "never") and not expand_path(cfg.checkpoint.resume).exists():
         raise FieldError("checkpoint.resume", f"{cfg.checkpoint.resume} does not exist",
                          "use auto, never, or the path of a checkpoint")
+
+
+def check_reasoning_gym(gym: ReasoningGymConfig) -> None:
+    """Every task a registered name and its options accepted by it, before any job exists."""
+    from verl_hpc.data.tasks import reasoning_gym
+
+    problem = reasoning_gym.available()
+    if problem is not None:
+        raise FieldError("data.reasoning_gym", problem, reasoning_gym.INSTALL_HINT)
+    names = reasoning_gym.task_names()
+    for i, task in enumerate(gym.entries()):
+        if task.name not in names:
+            close = [n for n in names if task.name.lower() in n or n in task.name.lower()][:5]
+            raise FieldError(f"data.reasoning_gym.tasks[{i}]", f"{task.name!r} is not a reasoning-gym task",
+                             f"use one of {', '.join(close) if close else ', '.join(names[:8]) + ', ...'} "
+                             "(python -c 'import reasoning_gym.factory as f; print(sorted(f.DATASETS))')")
+        try:
+            reasoning_gym.generate([(task.name, 1.0, task.config)], 1, gym.seed)
+        except Exception as err:  # the task's own config class rejects an option: say which
+            raise FieldError(f"data.reasoning_gym.tasks[{i}].config", f"{task.name} refused its options: {err}",
+                             "use the fields of the task's config dataclass") from None
+    prompts = reasoning_gym.system_prompts()
+    if gym.system_prompt is not None and gym.system_prompt not in prompts:
+        raise FieldError("data.reasoning_gym.system_prompt", f"{gym.system_prompt!r} is not one of "
+                         "reasoning-gym's system prompts", f"use one of {', '.join(sorted(prompts))}, or null")
+
+
+def check_multi_turn(cfg: RunConfig) -> None:
+    """Cross-section checks of an enabled `rollout.multi_turn`, before anything starts.
+
+    The tools themselves (importable, typed, documented, valid schemas) are checked by
+    `verl_hpc.roles.agent.load_tools`, which needs the roles layer; the run calls it before
+    the first step.
+    """
+    mt = cfg.rollout.multi_turn
+    if not mt.enable:
+        return
+    field = "rollout.multi_turn"
+    if not mt.tools and mt.tool_config_path is None:
+        raise FieldError(f"{field}.tools", "multi-turn rollouts are enabled but no tool is configured",
+                         "list functions under rollout.multi_turn.tools (module:function) or set tool_config_path")
+    for key in ("tool_config_path", "chat_template"):
+        path = getattr(mt, key)
+        if path is not None and not expand_path(path).is_file():
+            raise FieldError(f"{field}.{key}", f"{path} does not exist", "give the path of an existing file")
+    if cfg.algorithm.estimator.greedy_baseline:
+        raise FieldError("algorithm.adv_estimator", f"{cfg.algorithm.adv_estimator} needs greedy single-turn "
+                         "baselines, which agent episodes do not have", "use grpo, rloo, reinforce_pp or gae")

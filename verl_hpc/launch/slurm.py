@@ -104,6 +104,10 @@ def submit(config_or_path: RunConfig | str | Path, overrides: list[str] | None =
     cfg = as_config(config_or_path, overrides)
     path = resolve_run_dir(cfg, run_dir)
     python = python or sys.executable
+    if cfg.rollout.multi_turn.enable:  # a bad tool is refused here, not in a job that waited in the queue
+        from verl_hpc.launch.train import check_tools
+
+        check_tools(cfg)
     if dry_run:
         return render_sbatch(cfg, path, path / JOB_FOLDER, python)
     for tool in SUBMIT_TOOLS:

@@ -22,7 +22,13 @@ from verl_hpc.data.rollout_batch import RolloutBatch
 from verl_hpc.runtime.state.seeding import reseed
 from verl_hpc.runtime.step.counters import StepCounters, Timer
 from verl_hpc.runtime.step.dynamic_sampling import filtered_rollouts
-from verl_hpc.runtime.step.metrics import data_metrics_reduced, perf_metrics, prefixed, sync_metrics
+from verl_hpc.runtime.step.metrics import (
+    data_metrics_reduced,
+    episode_metrics_reduced,
+    perf_metrics,
+    prefixed,
+    sync_metrics,
+)
 from verl_hpc.runtime.step.stages import Placement, Stages, StepData, SyncReport
 
 
@@ -82,6 +88,8 @@ class RLTrainer(StepCounters):
             train_metrics.update(self.rollout_probs_diff(data, first_logprobs))
             with timer("update_weights"):
                 sync = stages.sync_weights(self.policy_version, update_actor, self.step)
+        if algo.filter_groups.enable:  # a smaller step (dynamic sampling ran out of groups) lasts one step
+            self.seat.lay_out(self.cfg, self.cfg.trainer.batch_size)
         if self.cfg.data.record_rollouts:  # the rows leave this rank: carry the step's columns
             batch = batch.with_columns(**data.added())
         self.lifecycle.record(self.step, batch)
@@ -93,7 +101,7 @@ class RLTrainer(StepCounters):
         """This rank's scored rows of the step: one generation round, or DAPO's dynamic sampling."""
         if not self.cfg.algorithm.filter_groups.enable:
             return self.stages.rollouts(self.step, indices, self.policy_version, timer), {}
-        return filtered_rollouts(self.cfg, self.stages, self.collectives, self.seat.rows, self.step, indices,
+        return filtered_rollouts(self.cfg, self.stages, self.collectives, self.seat, self.step, indices,
                                  self.policy_version, timer, self.sampler)
 
     def forward_passes(self, data: StepData, timer: Timer) -> None:
@@ -154,6 +162,8 @@ class RLTrainer(StepCounters):
         c = self.collectives
         stats = data_metrics_reduced(data.batch.scores(), data.tensors(), self.cfg.algorithm.sampling.max_new_tokens,
                                      c.reduce_sum, c.reduce_max)
+        if self.cfg.rollout.multi_turn.enable:  # agent/*: every rank's episodes, wherever they ran
+            stats.update(episode_metrics_reduced(data.batch, c.reduce_sum, c.reduce_max))
         if not self.seat.is_leader:
             return {}
         self.last_batch = data.batch  # the leader's own rows: the samples TensorBoard shows
@@ -169,9 +179,10 @@ class RLTrainer(StepCounters):
         """The first rows as a Markdown table: prompt, response, score, and an LLM judge's verdict when one scored."""
         count = min(self.cfg.logging.num_samples, len(batch))
         decode = self.stages.decode
+        whole = batch.is_trajectory  # an episode: every turn, tool reply and turn marker shows
         verdicts = batch.column("judge_verdict").to_pylist()[:count]
         judged = any(v is not None for v in verdicts)
-        rows = [f"| `{decode(p)}` | `{decode(r, skip_special_tokens=True)}` | {s:.3f} |"
+        rows = [f"| `{decode(p)}` | `{decode(r, skip_special_tokens=not whole)}` | {s:.3f} |"
                 + (f" `{_cell(v)}` |" if judged else "") for p, r, s, v in zip(
             batch.column("prompt_ids").to_pylist()[:count], batch.column("response_ids").to_pylist()[:count],
             batch.scores().tolist()[:count], verdicts, strict=True)]

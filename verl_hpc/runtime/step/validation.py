@@ -55,13 +55,17 @@ def validation_rows(roles: Roles, cfg: RunConfig, start: int, end: int, policy_v
     index = [i for i in range(start, end) for _ in range(val_n)]
     rows = [i * val_n + j for i in range(start, end) for j in range(val_n)]
     prompt_ids = [all_ids[i] for i in index]
+    if roles.agent is not None and index:  # multi-turn: validation rows are episodes too
+        batch = roles.agent.rows(step, [r // n for r in rows], [r % n for r in rows], index, dataset,
+                                 validation_sampling(cfg), policy_version, keep=False)
+        return batch.with_columns(score=roles.reward.score(batch)) if roles.reward is not None else batch
     engine = getattr(roles.engine, "inner", roles.engine)  # a replay engine validates with the real one
     engine.wake_up()  # type: ignore[union-attr]
     out = generate_guarded(engine, prompt_ids, validation_sampling(cfg), roles.allocator) if prompt_ids else None
     engine.sleep()  # type: ignore[union-attr]
     batch = RolloutBatch.from_generation(
         prompt_ids, out.response_ids if out else [], out.logprobs if out else [], group_ids=[r // n for r in rows],
-        prompt_index=index, ground_truth=[dataset.answers[i] for i in index], policy_version=policy_version,
+        prompt_index=index, ground_truth=[dataset.ground_truths[i] for i in index], policy_version=policy_version,
         step=step, sample_index=[r % n for r in rows], data_source=[dataset.data_sources[i] for i in index],
         extra_info=[dataset.extra_infos[i] for i in index])
     if roles.reward is not None and len(batch):
