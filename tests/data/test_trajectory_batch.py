@@ -17,7 +17,7 @@ SINGLE_TURN_FIELDS = [
     ("prompt_ids", pa.list_(pa.int32()), False), ("response_ids", pa.list_(pa.int32()), False),
     ("ground_truth", pa.string(), True), ("ground_truth_json", pa.string(), True),
     ("data_source", pa.string(), True), ("extra_info", pa.string(), True),
-    ("score", pa.float32(), True), ("baseline_score", pa.float32(), True),
+    ("score", pa.float32(), True), ("baseline_score", pa.float32(), True), ("judge_verdict", pa.string(), True),
     *[(name, pa.list_(pa.float32()), True) for name in ("rollout_logprobs", "old_logprobs", "ref_logprobs",
                                                          "values", "token_rewards", "advantages", "returns")]]
 

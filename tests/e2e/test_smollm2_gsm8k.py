@@ -11,23 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, run_cli
-
-
-def _load(path: Path):
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return module
-
+from tests.conftest import REPO, load_module, run_cli, smollm2_dir
 
 VLLM_ROLLOUT = ("resources.rollout={device_type: cpu, device_ids: [0], strategy: vllm, "
                 "vllm_args: {dtype: float32, enforce_eager: true, kv_cache_space_gb: 1}}")
 
 
 def train(tmp_path: Path, *overrides: str) -> list[dict]:
-    model_dir = _load(REPO / "tools" / "make_smollm2.py").build()
-    make = _load(REPO / "examples" / "gsm8k" / "make_data.py")
+    model_dir = smollm2_dir()
+    make = load_module(REPO / "examples" / "gsm8k" / "make_data.py")
     data = make.write(tmp_path / "gsm8k", count=4)
     val = make.write(tmp_path / "gsm8k_val", count=2)
     run_dir = tmp_path / "run"

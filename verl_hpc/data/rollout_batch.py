@@ -19,8 +19,7 @@ import torch
 
 from verl_hpc.data.records import answer_json, answer_text
 
-TOKEN_FLOAT_COLUMNS = ("rollout_logprobs", "old_logprobs", "ref_logprobs", "values",
-                       "token_rewards", "advantages", "returns")
+TOKEN_FLOAT_COLUMNS = ("rollout_logprobs", "old_logprobs", "ref_logprobs", "values", "token_rewards", "advantages", "returns")
 
 SCHEMA = pa.schema([
     pa.field("prompt_index", pa.int64(), nullable=False),
@@ -36,6 +35,7 @@ SCHEMA = pa.schema([
     pa.field("extra_info", pa.string()),   # the dataset's `extra_info`, as JSON text (any shape)
     pa.field("score", pa.float32()),
     pa.field("baseline_score", pa.float32()),  # the prompt's greedy response's score (ReMax)
+    pa.field("judge_verdict", pa.string()),  # an LLM judge's raw verdict (reward.judge), for the samples log
     *[pa.field(name, pa.list_(pa.float32())) for name in TOKEN_FLOAT_COLUMNS],
 ])
 
@@ -168,9 +168,9 @@ def _upgrade(batch: pa.RecordBatch, target: pa.Schema | None = None) -> pa.Recor
     """Batches saved by an earlier version (checkpointed rollout buffers, recorded rollouts), or a
     single-turn batch joining trajectory rows (`target` TRAJECTORY_SCHEMA).
 
-    `sample_index` is derived from the row order; a nullable column that did not exist yet
-    (`data_source`, `extra_info`, `baseline_score`, `ground_truth_json`, the trajectory columns) is
-    all nulls: what a dataset (or a single-turn rollout) without it gives.
+    `sample_index` is derived from the row order; a nullable column that did not exist yet (`data_source`,
+    `extra_info`, `baseline_score`, `ground_truth_json`, `judge_verdict`, the trajectory columns) is all
+    nulls, which is what a dataset (or a single-turn rollout) without it gives.
     """
     target = target or schema_of(batch.schema)
     names = set(batch.schema.names)
@@ -255,11 +255,9 @@ class RolloutBatch:
             else pa.nulls(n, pa.string()),
             "extra_info": pa.array(list(extra_info), pa.string()) if extra_info is not None
             else pa.nulls(n, pa.string()),
-            "score": pa.nulls(n, pa.float32()),
-            "baseline_score": pa.nulls(n, pa.float32()),
         }
-        for name in TOKEN_FLOAT_COLUMNS:
-            columns[name] = pa.nulls(n, pa.list_(pa.float32()))
+        for name in ("score", "baseline_score", "judge_verdict", *TOKEN_FLOAT_COLUMNS):  # filled in by later stages
+            columns[name] = pa.nulls(n, SCHEMA.field(name).type)
         if rollout_logprobs is not None:
             columns["rollout_logprobs"] = _ragged(rollout_logprobs, pa.float32())
         schema = SCHEMA
