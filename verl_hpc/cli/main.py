@@ -21,6 +21,7 @@ from verl_hpc.config import ConfigError
 from verl_hpc.utils.version import VERSION as __version__
 
 EXIT_CONFIG_ERROR = 2
+EXIT_STOPPED_UNFINISHED = 3  # `train --time-limit` stopped before the end: the same command continues
 DESCRIPTION = ("RL post-training of LLMs (GRPO, PPO) from one YAML config: on this machine (`train`) "
                "or as one Slurm job (`submit`).")
 EPILOG = """examples:
@@ -40,6 +41,10 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                    "runs/<config file name without .yaml>); an interrupted run resumes there")
     p.add_argument("--allow-config-change", action="store_true",
                    help="continue a run dir under a changed config (recorded in its config_history.yaml)")
+    p.add_argument("--time-limit", metavar="TIME",
+                   help="end the run after TIME (Slurm's format: minutes, MM:SS, HH:MM:SS, D-HH:MM:SS) as a Slurm "
+                   "job would: it checkpoints at the last step boundary that fits and exits 3; run the same "
+                   "command again to continue (docs/slurm.md, Time limits)")
     p.set_defaults(func=_cmd_train)
 
 
@@ -73,12 +78,14 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides)
     check_machine(cfg)  # before the run dir exists: a mismatch must not leave one behind
+    limit = _time_limit(args.time_limit)
     run_dir = args.run_dir or str(named_run_dir(cfg, args.config))
     if args.allow_config_change:
         os.environ[ALLOW_ENV] = "1"
-    again = shlex.join(["verl-hpc", "train", args.config, *args.overrides, "--run-dir", run_dir])
+    again = shlex.join(["verl-hpc", "train", args.config, *args.overrides, "--run-dir", run_dir,
+                        *(["--time-limit", args.time_limit] if args.time_limit else [])])
     try:
-        result = train(cfg, run_dir=run_dir)
+        result = train(cfg, run_dir=run_dir, time_limit_s=limit)
     except (WorkerFailure, CheckpointError) as failure:  # a checkpoint write failed: disk full, I/O error
         # A leading newline: torch's writer threads may still be printing their own traceback,
         # and our one line must start a line of its own.
@@ -89,6 +96,11 @@ def _cmd_train(args: argparse.Namespace) -> int:
     score_key = "critic/score/mean" if "critic/score/mean" in result.last_metrics else "dpo/reward_accuracy"
     score = result.last_metrics.get(score_key)
     print(f"run directory: {result.run_dir}")
+    if result.stopped_by in ("deadline", "time limit"):
+        how = ("stopped at its deadline" if result.stopped_by == "deadline" else
+               "reached its time limit mid-step; the last committed checkpoint is kept")
+        print(f"{how} after step {result.steps} of {cfg.trainer.total_steps}. To continue: {again}")
+        return EXIT_STOPPED_UNFINISHED
     if result.stopped_by is not None:
         print(f"stopped by {result.stopped_by} after step {result.steps}; the checkpoint is saved. "
               f"To resume: {again}")
@@ -101,6 +113,17 @@ def _cmd_train(args: argparse.Namespace) -> int:
     if result.hf_model_dir is not None:
         print(f"trained model: {result.hf_model_dir}")
     return 0
+
+
+def _time_limit(text: str | None) -> float | None:
+    from verl_hpc.runtime.process.endtime import parse_time_limit
+
+    if text is None:
+        return None
+    try:
+        return float(parse_time_limit(text))
+    except ValueError as err:
+        raise ConfigError("--time-limit", str(err), "for example --time-limit 30 (minutes) or 1:30:00") from None
 
 
 def _cmd_config_show(args: argparse.Namespace) -> int:

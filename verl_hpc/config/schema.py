@@ -335,6 +335,7 @@ class SlurmConfig(StrictModel):
     job_name: str = "verl-hpc"
     requeue: bool = True
     signal_grace_seconds: int = Field(120, ge=1)
+    requeue_margin_seconds: int = Field(15, ge=0)
     max_requeues: int = Field(5, ge=0)
     setup: list[str] = Field(default_factory=list)
 

@@ -13,9 +13,12 @@ or the local launcher passing on Ctrl-C; SIGUSR2 — submitit's convention; SIGI
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import subprocess
+import time
+from collections.abc import Mapping
 from types import FrameType
 
 import torch
@@ -34,10 +37,16 @@ class StopFlag:
 
     def __init__(self, signals: tuple[signal.Signals, ...] = STOP_SIGNALS):
         self.signals = signals
-        self.received: int | None = None
+        self.received: int | None = None        # the first signal
+        self.times: dict[int, float] = {}       # every signal received -> when it first came (unix seconds)
         self._previous: dict[int, object] = {}
 
     def _handle(self, signum: int, _frame: FrameType | None) -> None:
+        self.record(signum)
+
+    def record(self, signum: int, at: float | None = None) -> None:
+        """Note `signum` (the handler's only work; also for signals caught before it was installed)."""
+        self.times.setdefault(signum, time.time() if at is None else at)
         if self.received is None:
             self.received = signum
 
@@ -84,16 +93,18 @@ def ignore_notices_until_exit(signals: tuple[signal.Signals, ...] = REQUEUE_SIGN
         signal.signal(sig, signal.SIG_IGN)
 
 
-def requeue(env: JobEnvironment, max_requeues: int, signum: int = signal.SIGUSR1) -> tuple[bool, str]:
+def requeue(env: JobEnvironment, max_requeues: int, signum: int | None = signal.SIGUSR1) -> tuple[bool, str]:
     """Ask Slurm to requeue this job (leader only): (requeued?, what happened in one line).
 
-    Only for USR1/USR2 — the time limit is near, or a preemption notice. A TERM alone is
-    `scancel` (the user wants the job to end), or Slurm's own requeue/preemption, which
-    requeues the job without our help: requeuing on TERM would resurrect cancelled jobs.
+    For USR1/USR2 — the time limit is near, or a preemption notice — and for the run's own
+    deadline (`signum` None: the next step and a save no longer fit before the end time).
+    A TERM alone is `scancel` (the user wants the job to end), or Slurm's own
+    requeue/preemption, which requeues the job without our help: requeuing on TERM would
+    resurrect cancelled jobs.
     """
     if env.scheduler != "slurm" or not env.job_id:
         return False, "not under Slurm: not requeuing; run the same command again to resume"
-    if signum not in REQUEUE_SIGNALS:
+    if signum is not None and signum not in REQUEUE_SIGNALS:
         return False, (f"{signal.Signals(signum).name}: cancelled, or requeued by Slurm itself; not requeuing "
                        "(the checkpoint is saved, a requeued job resumes from it)")
     if env.restart_count >= max_requeues:
@@ -110,3 +121,37 @@ def requeue(env: JobEnvironment, max_requeues: int, signum: int = signal.SIGUSR1
     if proc.returncode != 0:
         return False, f"scontrol requeue {env.job_id} failed: {proc.stderr.strip() or proc.stdout.strip()}"
     return True, f"requeued job {env.job_id} (restart {env.restart_count + 1} of at most {max_requeues})"
+
+
+def job_step_ids(environ: Mapping[str, str]) -> list[str]:
+    """`<job id>.<step id>` of every hetjob component's part of this step, this task's own last.
+
+    Why per component: in a het step `scancel JOB.STEP` ends only the leader component's part
+    (measured on Slurm 22.05); the others run on. Own last: cancelling it ends this process.
+    """
+    step = environ.get("SLURM_STEP_ID")
+    if not step:
+        return []
+    size = int(environ.get("SLURM_HET_SIZE") or 0)
+    ids = [environ.get(f"SLURM_JOB_ID_HET_GROUP_{k}") for k in range(size)]
+    ids = [i for i in ids if i] or [environ.get("SLURM_JOB_ID", "")]
+    own = environ.get("SLURM_JOB_ID", "")
+    ordered = [i for i in ids if i != own] + [i for i in ids if i == own]
+    return [f"{i}.{step}" for i in ordered if i]
+
+
+def end_job_step(environ: Mapping[str, str] | None = None) -> bool:
+    """SIGKILL this Slurm job step on every component, so the job ends FAILED now, not TIMEOUT later.
+
+    For a step that cannot finish before the time limit and cannot be requeued: the batch
+    script then exits with the step's status. Returns False when there is no step to end.
+    """
+    env = os.environ if environ is None else environ
+    scancel = shutil.which("scancel")
+    ids = job_step_ids(env)
+    if scancel is None or not ids:
+        return False
+    for step_id in ids:
+        subprocess.run([scancel, "--signal=KILL", step_id], capture_output=True, text=True, timeout=60,
+                       start_new_session=True, check=False)
+    return True

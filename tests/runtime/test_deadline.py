@@ -1,0 +1,231 @@
+"""The time budget without a cluster: end times, estimates, the boundary rule, the watchdog.
+
+Everything here is pure or in-process: the Slurm side (a real time limit on a loaded machine)
+is tests/slurm/test_requeue.py.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import threading
+import time
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+import torch
+
+from verl_hpc.runtime.process.deadline import (
+    Action,
+    Agreement,
+    DeadlineClock,
+    DeadlineWatchdog,
+    RunningEstimate,
+    TimeBudget,
+    agree_max,
+    boundary_action,
+    notice_window_s,
+    overdue,
+    stop_path,
+    stopping_signal,
+)
+from verl_hpc.runtime.process.endtime import (
+    EndTime,
+    end_time_from_scontrol,
+    job_end_time,
+    parse_end_time,
+    parse_time_limit,
+)
+
+HETJOB = """JobId=2 HetJobId=2 HetJobOffset=0 JobName=verl-hpc-local
+   JobState=RUNNING Reason=None Dependency=(null)
+   RunTime=00:00:31 TimeLimit=00:02:00 TimeMin=N/A
+   StartTime=2026-12-04T23:19:14 EndTime=2026-12-04T23:21:14 Deadline=N/A
+
+JobId=3 HetJobId=2 HetJobOffset=1 JobName=verl-hpc-local
+   StartTime=2026-12-04T23:19:14 EndTime=2026-12-04T23:21:10 Deadline=N/A
+"""
+
+
+def local(text: str) -> float:
+    return datetime.strptime(text, "%Y-%m-%dT%H:%M:%S").timestamp()
+
+
+# --- end times ---------------------------------------------------------------------------------
+
+def test_scontrol_end_time_is_local_time_and_the_earliest_component_wins() -> None:
+    assert parse_end_time("2026-12-04T23:21:14") == local("2026-12-04T23:21:14")
+    assert end_time_from_scontrol(HETJOB) == local("2026-12-04T23:21:10")
+    for none in ("Unknown", "None", "N/A", ""):
+        assert parse_end_time(none) is None
+    assert end_time_from_scontrol("JobId=5 EndTime=Unknown Deadline=N/A") is None
+    with pytest.raises(ValueError, match="cannot read the end time"):
+        parse_end_time("tomorrow")
+
+
+def fake_scontrol(stdout: str, code: int = 0):
+    calls: list[list[str]] = []
+
+    def run(args, **_kw):  # type: ignore[no-untyped-def]
+        calls.append(list(args))
+        return subprocess.CompletedProcess(args, code, stdout, "")
+
+    return run, calls
+
+
+def test_job_end_time_prefers_our_variable_then_slurms_then_scontrol(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("shutil.which", lambda name: f"/usr/bin/{name}")
+    run, calls = fake_scontrol(HETJOB)
+    assert job_end_time({"VERL_HPC_END_TIME": "1700000000.5", "SLURM_JOB_ID": "2"}, run) == \
+        EndTime(1700000000.5, "VERL_HPC_END_TIME")
+    assert job_end_time({"SLURM_JOB_END_TIME": "1700000100", "SLURM_JOB_ID": "2"}, run) == \
+        EndTime(1700000100.0, "SLURM_JOB_END_TIME")
+    assert calls == []
+    assert job_end_time({"SLURM_JOB_ID": "2"}, run) == EndTime(local("2026-12-04T23:21:10"), "scontrol")
+    assert calls == [["/usr/bin/scontrol", "show", "job", "2"]]
+    assert job_end_time({}, run) == EndTime()  # not a job: no deadline, no scontrol call
+    failing, _ = fake_scontrol("", code=1)
+    assert not job_end_time({"SLURM_JOB_ID": "2"}, failing).known  # the signal stays the only notice
+    with pytest.raises(ValueError, match="VERL_HPC_END_TIME"):
+        job_end_time({"VERL_HPC_END_TIME": "soon"}, run)
+
+
+def test_end_time_left() -> None:
+    assert EndTime(100.0, "x").left(now=40.0) == 60.0
+    assert EndTime().left() == float("inf") and not EndTime().known
+
+
+@pytest.mark.parametrize(("text", "seconds"), [("30", 1800), ("0:45", 45), ("01:02:03", 3723), ("1-0", 86400),
+                                               ("1-02:03", 93780), ("1-02:03:04", 93784), ("00:02:00", 120)])
+def test_time_limits_in_slurms_formats(text: str, seconds: int) -> None:
+    assert parse_time_limit(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["", "ten", "1:2:3:4", "0", "-5", "1h"])
+def test_bad_time_limits_are_refused(text: str) -> None:
+    with pytest.raises(ValueError):
+        parse_time_limit(text)
+
+
+# --- estimates and the rule --------------------------------------------------------------------
+
+def test_the_estimate_is_the_slowest_recent_sample_and_forgets_old_ones() -> None:
+    est = RunningEstimate()
+    assert est.value is None
+    for seconds in (10.0, 4.0, 5.0):  # a slow first step (start-up) ...
+        est.add(seconds)
+    assert est.value == 10.0
+    for _ in range(8):  # ... is forgotten after a window of normal ones
+        est.add(4.0)
+    assert est.value == 4.0
+    est.add(9.0)  # a burst of load shows at once
+    assert est.value == 9.0
+    assert RunningEstimate(prior=7.0).value == 7.0 and RunningEstimate(prior=0).value is None
+
+
+def test_agreement_takes_the_slowest_estimates_and_the_least_time_left() -> None:
+    ranks = [(None, TimeBudget(3.0, 1.0, float("inf")), False),  # a rank that does not know the end time
+             (int(signal.SIGTERM), TimeBudget(5.0, 0.5, 80.0), False),
+             (None, TimeBudget(4.0, 2.0, 90.0), True)]
+    rows = [torch.tensor([float(s or 0), b.step_s, b.save_s, -b.left_s, float(a)], dtype=torch.float64)
+            for s, b, a in ranks]
+    reduced = torch.stack(rows).max(dim=0).values  # what the MAX all-reduce computes
+    agreed = agree_max(*ranks[0], reduce_max=lambda _mine: reduced)
+    assert agreed == Agreement(int(signal.SIGTERM), TimeBudget(5.0, 2.0, 80.0), True)
+    assert agree_max(None, TimeBudget(), False, None) == Agreement()  # one process: its own view
+
+
+def decide(left: float, step: float = 5.0, save: float = 2.0, margin: float = 15.0, **kw) -> Action:
+    return boundary_action(Agreement(budget=TimeBudget(step, save, left), **kw), margin)
+
+
+def test_the_boundary_rule() -> None:
+    assert decide(float("inf")) is Action.CONTINUE                 # no end time: only signals stop
+    assert decide(100.0) is Action.CONTINUE
+    assert decide(2 * 5 + 2 + 15 - 0.1) is Action.SAVE_AHEAD       # the next boundary will likely stop
+    assert decide(5 + 2 + 15 - 0.1) is Action.STOP                 # the next step would not fit: the deadline
+    assert decide(1.0) is Action.STOP                              # late: still try to save (the watchdog guards it)
+    assert decide(100.0, signum=int(signal.SIGTERM)) is Action.STOP
+    assert decide(100.0, abandoned=True) is Action.ABANDONED
+    last = Agreement(budget=TimeBudget(5.0, 2.0, 10.0))
+    assert boundary_action(last, 15.0, last=True) is Action.CONTINUE  # the last step finishes the run
+    assert boundary_action(Agreement(abandoned=True), 15.0, last=True) is Action.ABANDONED
+
+
+def test_a_notice_inside_the_time_limit_window_is_left_to_the_deadline_rule() -> None:
+    end, grace = 1000.0, 60.0
+    window = notice_window_s(grace)  # 60 + 30 (slurmctld's period) + 5
+    usr1 = int(signal.SIGUSR1)
+    notice = {usr1: end - 87.0}  # measured: @60 came 87 s before the end
+    assert stopping_signal(notice, end, grace) is None
+    assert stopping_signal(notice, None, grace) == usr1  # no end time known: the notice stops the run
+    early = {usr1: end - window - 1}  # long before any time-limit notice: a preemption
+    assert stopping_signal(early, end, grace) == usr1
+    assert stop_path(usr1, early, end, grace) == "preemption"
+    both = {usr1: end - 87.0, int(signal.SIGTERM): end - 20.0}  # a TERM always stops, whatever came first
+    assert stopping_signal(both, end, grace) == int(signal.SIGTERM)
+    assert stop_path(int(signal.SIGTERM), both, end, grace) == "signal"
+    assert stop_path(usr1, notice, None, grace) == "signal"
+    assert stop_path(None, {}, end, grace) == "deadline"
+
+
+def test_what_the_watchdog_reserves_in_each_phase() -> None:
+    margin, save = 15.0, 6.0
+    assert overdue("step", 20.0, save, margin) and not overdue("step", 22.0, save, margin)  # its save must fit
+    assert not overdue("start", 20.0, save, margin) and overdue("start", 14.0, save, margin)
+    assert not overdue("save", 16.0, save, margin) and overdue("save", 14.0, save, margin)
+    assert not overdue("stopping", 1.0, save, margin)  # the stop is under way: nothing to abandon
+
+
+def test_clock_samples_steps_between_boundaries_and_counts_a_save_in_flight() -> None:
+    clock = DeadlineClock(EndTime(time.time() + 3600, "test"), 15.0, 60.0)
+    clock.enter("step")
+    time.sleep(0.05)
+    clock.step_done()
+    assert 0.04 < clock.budget().step_s < 1.0 and clock.phase == "boundary"
+    clock.step_done()  # a boundary without a step in between adds no sample
+    assert clock.steps.count == 1
+    clock.add_saves([0.2])
+    clock.save_in_flight_since = time.monotonic() - 3.0  # an async save writing for 3 s already
+    assert clock.save_estimate() >= 3.0
+    clock.save_in_flight_since = None
+    assert clock.save_estimate() == 0.2 and 3500 < clock.budget().left_s <= 3600
+
+
+def test_the_watchdog_abandons_once_when_the_phase_is_overdue() -> None:
+    clock = DeadlineClock(EndTime(time.time() + 1.5, "test"), margin_s=1.0, grace_s=60.0)
+    clock.enter("step")
+    clock.add_saves([0.2])
+    fired: list[tuple[str, float]] = []
+    done = threading.Event()
+
+    def on_overdue(phase: str, left: float) -> None:
+        fired.append((phase, left))
+        done.set()
+
+    dog = DeadlineWatchdog(clock, on_overdue, poll_s=0.05).start()
+    assert done.wait(5)
+    dog.close()
+    [(phase, left)] = fired
+    assert phase == "step" and 0.5 < left <= 1.2  # at most one poll after left < save + margin
+    assert clock.abandoned and clock.abandoned_in == "step"
+
+
+def test_no_end_time_no_watchdog() -> None:
+    dog = DeadlineWatchdog(DeadlineClock(EndTime(), 15.0, 60.0), lambda *_: None).start()
+    assert not dog._thread.is_alive()
+    dog.close()
+
+
+def test_the_commit_delay_hook_makes_a_save_slow_and_every_save_is_timed(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    from verl_hpc.checkpoint.manager import COMMIT_DELAY_ENV, CheckpointManager
+
+    manager = CheckpointManager(tmp_path / "ckpt", async_save=False)
+    manager.save(1, {"w": torch.zeros(4)}, {})
+    monkeypatch.setenv(COMMIT_DELAY_ENV, "0.4")
+    manager.save(2, {"w": torch.ones(4)}, {})
+    fast, slow = manager.write_seconds
+    assert slow >= 0.4 > fast
+    assert manager.latest().name == "step_00000002"
