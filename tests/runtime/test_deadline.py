@@ -145,7 +145,9 @@ def test_the_boundary_rule() -> None:
     assert decide(100.0) is Action.CONTINUE
     assert decide(2 * 5 + 2 + 15 - 0.1) is Action.SAVE_AHEAD       # the next boundary will likely stop
     assert decide(5 + 2 + 15 - 0.1) is Action.STOP                 # the next step would not fit: the deadline
-    assert decide(1.0) is Action.STOP                              # late: still try to save (the watchdog guards it)
+    assert decide(2 + 15 + 0.1) is Action.STOP                     # late, but a save still fits
+    assert decide(2 + 15 - 0.1) is Action.STOP_UNSAVED             # a save would not: stop at the newest one
+    assert decide(100.0, save=90.0) is Action.STOP_UNSAVED         # the save in flight has most of it left
     assert decide(100.0, signum=int(signal.SIGTERM)) is Action.STOP
     assert decide(100.0, abandoned=True) is Action.ABANDONED
     last = Agreement(budget=TimeBudget(5.0, 2.0, 10.0))
@@ -188,9 +190,11 @@ def test_clock_samples_steps_between_boundaries_and_counts_a_save_in_flight() ->
     assert clock.steps.count == 1
     clock.add_saves([0.2])
     clock.save_in_flight_since = time.monotonic() - 3.0  # an async save writing for 3 s already
-    assert clock.save_estimate() >= 3.0
+    assert 3.0 <= clock.save_estimate() < 3.5  # at least that long, and it has nothing left by the estimate
+    clock.add_saves([5.0])
+    assert 6.5 < clock.save_estimate() <= 7.0  # 2 s left of it (by the slowest save), then 5 s of a new one
     clock.save_in_flight_since = None
-    assert clock.save_estimate() == 0.2 and 3500 < clock.budget().left_s <= 3600
+    assert clock.save_estimate() == 5.0 and 3500 < clock.budget().left_s <= 3600
 
 
 def test_the_watchdog_abandons_once_when_the_phase_is_overdue() -> None:

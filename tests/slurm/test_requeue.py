@@ -269,13 +269,14 @@ def test_a_slow_save_still_stops_before_the_time_limit(slurm_cluster: SlurmClust
                                                        cpu_hog: None, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every commit sleeps 25 s: longer than the notice's lead (`@10` comes 10-40 s before the limit),
     so stopping at the notice would be killed mid-save (TIMEOUT). The first interval save teaches
-    the run how long a save takes, and the deadline stops it early enough to save in time."""
+    the run how long a save takes, and the deadline stops it early enough to end in time with a
+    committed checkpoint. Two processes (colocated), so that starting leaves time to learn."""
     from verl_hpc.checkpoint.manager import COMMIT_DELAY_ENV
 
     monkeypatch.setenv(COMMIT_DELAY_ENV, "25")  # sbatch exports the submitting environment to the job
     run_dir = tmp_path / "slow_save"
-    job = submit(run_dir, model, "trainer.total_steps=5000", "slurm.time=00:02:00", "checkpoint.interval_steps=2",
-                 "slurm.signal_grace_seconds=10", "slurm.max_requeues=0")
+    job = submit(run_dir, model, "trainer.total_steps=5000", "slurm.time=00:02:00", "checkpoint.interval_steps=4",
+                 "slurm.signal_grace_seconds=10", "slurm.max_requeues=0", config="configs/slurm_grpo_colocated.yaml")
     records = finish(slurm_cluster, job, timeout=400)
     assert {r["JobState"] for r in records} == {"FAILED"}, records  # ended by itself (no requeue left), not TIMEOUT
     [stop] = stops(run_dir)

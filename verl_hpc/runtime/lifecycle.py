@@ -181,7 +181,7 @@ class RunLifecycle:
                     resize.accept(self.run_dir, trainer.step)
                 outcome.stopped_by = resize.RESIZE_REASON
                 return outcome
-            if action in (Action.STOP, Action.ABANDONED):
+            if action in (Action.STOP, Action.STOP_UNSAVED, Action.ABANDONED):
                 return self.stop_early(agreed, action, outcome)
         self.finish()
         return outcome
@@ -198,7 +198,7 @@ class RunLifecycle:
         ckpt = self.checkpointer
         if ckpt is None:
             return
-        if action is Action.ABANDONED:
+        if action in (Action.ABANDONED, Action.STOP_UNSAVED):
             ckpt.suppressed = True
         elif action is Action.STOP or resizing:
             ckpt.requested = True
@@ -237,8 +237,12 @@ class RunLifecycle:
                                    "s/step": metrics.get("timing_s/step", float("nan"))})
 
     def stop_early(self, agreed: Agreement, action: Action, outcome: Outcome) -> Outcome:
-        """After the boundary's checkpoint (none when abandoned): stop the serving ranks, requeue."""
+        """After the boundary's checkpoint (none when abandoned or it would not fit): stop the serving
+        ranks, let a save still writing commit (the requeue's SIGTERM would cut it off), requeue."""
         self.hooks.stop_services()
+        if self.checkpointer is not None:
+            self.clock.enter("save")  # the watchdog guards the wait as a save
+            self.checkpointer.manager.wait()
         self.clock.enter("stopping")
         signum, budget = agreed.signum, agreed.budget
         outcome.stop = StopRecord(stop_path(signum, self.stop.times, self.clock.end.at, self.clock.grace_s),
@@ -250,7 +254,8 @@ class RunLifecycle:
         outcome.wanted_requeue = signum is None or signum in REQUEUE_SIGNALS
         if self.seat.is_leader:
             outcome.requeued, message = self.limit.requeue_once(signum)
-            saved = "no checkpoint of it: abandoned" if action is Action.ABANDONED else "checkpoint saved"
+            saved = {Action.ABANDONED: "no checkpoint of it: abandoned",
+                     Action.STOP_UNSAVED: "no checkpoint of it: a save would not fit"}.get(action, "checkpoint saved")
             log.warning("stopped by %s after step %d (%s); %s", outcome.stop.describe(), self.trainer.step, saved,
                         message, extra={"fields": {"stop": outcome.stop.to_json()}})
             if self.seat.processes > 1:

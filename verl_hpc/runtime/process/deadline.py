@@ -12,6 +12,8 @@ slowest estimates and the least time left over the trainer ranks, one all-reduce
 
 - a stop signal (TERM, INT; a USR1/USR2 that is not the time-limit notice): save, stop;
 - L < T + S + M: save and requeue now — the deadline;
+- either, when even a save no longer fits (L < S + M; S includes the rest of a save still
+  writing): stop without a new save, at the newest checkpoint once the one in flight commits;
 - L < 2T + S + M: save ahead (asynchronously) and go on: the next boundary will most likely
   stop, and if the step overruns, the run resumes from this boundary;
 - otherwise go on.
@@ -78,7 +80,7 @@ class TimeBudget:
     """What one rank knows at a step boundary, or the agreed (slowest, least) values of all."""
 
     step_s: float = 0.0              # the next step, validation and logging included
-    save_s: float = 0.0              # one synchronous checkpoint
+    save_s: float = 0.0              # one synchronous checkpoint (after the one still writing, if any)
     left_s: float = float("inf")     # until the end time (inf: none known)
 
     @property
@@ -111,6 +113,7 @@ class Action(enum.Enum):
     CONTINUE = "continue"
     SAVE_AHEAD = "save ahead"     # an asynchronous checkpoint now; the next boundary will likely stop
     STOP = "stop"                 # a synchronous checkpoint, then requeue
+    STOP_UNSAVED = "stop unsaved"  # requeue once the save in flight commits: a new one would not fit
     ABANDONED = "abandoned"       # the watchdog requeued already: no checkpoint of this step
 
 
@@ -120,11 +123,9 @@ def boundary_action(agreed: Agreement, margin_s: float, last: bool = False) -> A
         return Action.ABANDONED
     if last:
         return Action.CONTINUE
-    if agreed.signum:
-        return Action.STOP
     b = agreed.budget
-    if b.left_s < b.step_s + b.save_s + margin_s:
-        return Action.STOP
+    if agreed.signum or b.left_s < b.step_s + b.save_s + margin_s:
+        return Action.STOP_UNSAVED if b.left_s < b.save_s + margin_s else Action.STOP
     if b.left_s < 2 * b.step_s + b.save_s + margin_s:
         return Action.SAVE_AHEAD
     return Action.CONTINUE
@@ -207,11 +208,13 @@ class DeadlineClock:
             self.saves.add(value)
 
     def save_estimate(self) -> float:
-        """The slowest recent save, at least as long as the one still writing; 0 before any."""
+        """What a save started now costs: the slowest recent save (at least as long as the one
+        still writing), plus what that one has left, since a new save waits for it; 0 before any."""
         known = self.saves.value or 0.0
-        if self.save_in_flight_since is not None:
-            known = max(known, time.monotonic() - self.save_in_flight_since)
-        return known
+        if self.save_in_flight_since is None:
+            return known
+        elapsed = time.monotonic() - self.save_in_flight_since
+        return max(known, elapsed) + max(0.0, known - elapsed)
 
     def budget(self) -> TimeBudget:
         return TimeBudget(self.steps.value or 0.0, self.save_estimate(), self.end.left())
