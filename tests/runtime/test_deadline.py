@@ -233,3 +233,60 @@ def test_the_commit_delay_hook_makes_a_save_slow_and_every_save_is_timed(tmp_pat
     fast, slow = manager.write_seconds
     assert slow >= 0.4 > fast
     assert manager.latest().name == "step_00000002"
+
+
+def test_settled_waits_for_an_async_save_from_another_thread(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the watchdog does before it requeues: the save in flight commits first (its result stays for wait())."""
+    from verl_hpc.checkpoint.manager import COMMIT_DELAY_ENV, CheckpointManager
+
+    monkeypatch.setenv(COMMIT_DELAY_ENV, "1.0")
+    manager = CheckpointManager(tmp_path / "ckpt", async_save=True)
+    manager.save(1, {"w": torch.zeros(4)}, {})
+    assert manager.pending_since is not None and not manager.settled(timeout=0.01)
+    assert manager.settled(timeout=60)
+    assert manager.wait().name == "step_00000001" and manager.settled(timeout=0)
+
+
+# --- the attempt's record and `verl-hpc status` ------------------------------------------------
+
+def test_an_abandoned_step_is_recorded_at_once_and_merged_with_the_attempt(tmp_path: Path) -> None:
+    from verl_hpc.config import load_config
+    from verl_hpc.metrics.history import StopRecord, read_history, record_end, record_start, time_budget_lines
+    from verl_hpc.runtime.process.env import JobEnvironment
+    from verl_hpc.runtime.state.time_limit import TimeLimit
+
+    cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "quickstart.yaml")
+    env = JobEnvironment(rank=0, world_size=1, local_rank=0, local_world_size=1, master_addr="127.0.0.1",
+                         master_port=29500, job_id=None, restart_count=0, scheduler="local", hostname="here")
+    attempt = record_start(tmp_path, 0, "local", 0, 0.0, end_time=time.time() + 0.5)
+    limit = TimeLimit.start(cfg, tmp_path, env, leader=True, end_time=time.time() + 0.5)  # margin 15 s: overdue now
+    limit.clock.enter("step")
+    assert wait_for(lambda: limit.clock.abandoned, 5)
+    limit.close()
+    [seen] = read_history(tmp_path)
+    assert seen.stop == StopRecord("deadline", None, seen.stop.time_left_s, 0.0, 0.0, 15.0, abandoned=True,
+                                   phase="step")
+    assert limit.requeue_once(None) == (False, "not under Slurm: not requeuing; run the same command again to "
+                                                "resume")
+    record_end(tmp_path, attempt, 3, "deadline", StopRecord("deadline", None, 1.0, 5.0, 2.0, 15.0, True, "step"))
+    [ended] = read_history(tmp_path)
+    assert ended.reason == "deadline" and ended.stop.time_left_s == 1.0 and ended.end_time is not None
+    lines = time_budget_lines([ended], {"step": 3, "perf/step_estimate_s": 5.0, "perf/save_estimate_s": 2.0})
+    assert lines == ["estimates:   step ~5.0 s, save ~2.0 s (slowest recent, over the trainer ranks, at step 3)",
+                     "last stop:   attempt 1 after step 3: deadline, step abandoned, 1 s left (next step ~5.0 s "
+                     "+ save ~2.0 s + margin 15 s)"]
+
+
+def test_status_shows_the_running_attempts_end_time() -> None:
+    from verl_hpc.metrics.history import Attempt, time_budget_lines
+
+    running = Attempt(2, 1000.0, 11, "7", 1, 0.0, end_time=1100.0)
+    [line] = time_budget_lines([running], None, now=1040.0)
+    assert line.startswith("time limit:  attempt 2 ends ") and line.endswith("(60 s from now)")
+
+
+def wait_for(condition, timeout: float) -> bool:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return bool(condition())

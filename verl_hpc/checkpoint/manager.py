@@ -14,10 +14,9 @@ Why this shape:
 - Async saves run DCP's collectives over a dedicated gloo group: in a background thread
   on the training group they interleave with the step's collectives and deadlock
   (torch 2.13, /work/shared/NOTES.md). At most one save is in flight.
-- Every rank records each save's duration, write to commit (`write_seconds`): the run's
-  time budget (runtime/process/deadline.py) stops before the time limit from them.
-Test-only hook: `VERL_HPC_TEST_COMMIT_DELAY_S` seconds of sleep in each commit (rank 0, after
-the manifest, before the rename): a save as slow as a big model's on a slow file system.
+- Every rank records each save's duration, write to commit (`write_seconds`), for the run's
+  time budget (runtime/process/deadline.py). Test-only hook: `VERL_HPC_TEST_COMMIT_DELAY_S`
+  seconds of sleep in each commit (rank 0, after the manifest, before the rename).
 """
 
 from __future__ import annotations
@@ -30,6 +29,7 @@ import time
 import uuid
 from collections.abc import Mapping
 from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -266,6 +266,12 @@ class CheckpointManager:
     @property
     def pending(self) -> bool:
         return self._pending is not None and not self._pending.done()
+
+    def settled(self, timeout: float | None = None) -> bool:
+        """From any thread: wait up to `timeout` s for the async save in flight to end (its result
+        stays for the next `save`/`wait`); True when none is left writing."""
+        pending = self._pending
+        return pending is None or bool(wait_futures([pending], timeout=timeout).done)
 
     @property
     def pending_since(self) -> float | None:

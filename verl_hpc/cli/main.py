@@ -21,7 +21,7 @@ from verl_hpc.config import ConfigError
 from verl_hpc.utils.version import VERSION as __version__
 
 EXIT_CONFIG_ERROR = 2
-EXIT_STOPPED_UNFINISHED = 3  # `train --time-limit` stopped before the end: the same command continues
+EXIT_NOT_FINISHED = 3  # `train --time-limit` stopped before the end: the same command continues
 DESCRIPTION = ("RL post-training of LLMs (GRPO, PPO) from one YAML config: on this machine (`train`) "
                "or as one Slurm job (`submit`).")
 EPILOG = """examples:
@@ -100,7 +100,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
         how = ("stopped at its deadline" if result.stopped_by == "deadline" else
                "reached its time limit mid-step; the last committed checkpoint is kept")
         print(f"{how} after step {result.steps} of {cfg.trainer.total_steps}. To continue: {again}")
-        return EXIT_STOPPED_UNFINISHED
+        return EXIT_NOT_FINISHED
     if result.stopped_by is not None:
         print(f"stopped by {result.stopped_by} after step {result.steps}; the checkpoint is saved. "
               f"To resume: {again}")

@@ -48,9 +48,8 @@ import psutil
 from verl_hpc.config.placement import ProcessPlan
 from verl_hpc.launch.log_tail import read_tail
 from verl_hpc.launch.relay import LogRelay, announce
-from verl_hpc.runtime.process.endtime import END_TIME_ENV
+from verl_hpc.runtime.process.endtime import END_TIME_ENV, EXIT_AT_DEADLINE
 from verl_hpc.runtime.process.env import free_port
-from verl_hpc.runtime.process.signals import EXIT_STOPPED_UNFINISHED
 from verl_hpc.utils.logging import get_logger
 
 log = get_logger("launch")
@@ -195,8 +194,8 @@ class LocalLauncher:
     """Spawn one process of `command` per global rank of `plan`, supervise, clean up.
 
     `run()` returns 0 when every worker exits 0, 128+signum when SIGINT/SIGTERM stopped
-    the launcher, EXIT_STOPPED_UNFINISHED when the leader stopped early at its deadline
-    (the others exiting 0), EXIT_TIME_LIMIT when `end_time` came first (the workers get
+    the launcher, EXIT_AT_DEADLINE when the leader stopped early at its deadline (the
+    others exiting 0), EXIT_TIME_LIMIT when `end_time` came first (the workers get
     SIGTERM, then SIGKILL after `grace_seconds`, as Slurm's KillWait), and raises
     `WorkerFailure` (or `LaunchTimeout`) otherwise. On every exit path no worker, nor any
     process a worker started, is left running (limits: the module docstring).
@@ -300,11 +299,11 @@ class LocalLauncher:
                 log.warning("received %s: stopping all workers", signal.Signals(self._received).name)
                 self._terminate_all()
                 return 128 + self._received
-            failed = [w for w in self._workers if w.popen.poll() not in (None, 0, EXIT_STOPPED_UNFINISHED)]
+            failed = [w for w in self._workers if w.popen.poll() not in (None, 0, EXIT_AT_DEADLINE)]
             if failed:
                 self._raise_failure(failed)
             codes = {w.popen.returncode for w in self._workers}
-            if codes <= {0, EXIT_STOPPED_UNFINISHED}:
+            if codes <= {0, EXIT_AT_DEADLINE}:
                 return max(codes)
             if deadline is not None and time.monotonic() > deadline:
                 self._raise_timeout()

@@ -88,9 +88,9 @@ def train(cfg: RunConfig, run_dir: str | Path | None = None, *, actor_model: Any
 def _stopped_by(code: int) -> str | None:
     """What the launcher's exit code says stopped the run early (None: it ran to its end)."""
     from verl_hpc.launch.local import EXIT_TIME_LIMIT
-    from verl_hpc.runtime.process.signals import EXIT_STOPPED_UNFINISHED
+    from verl_hpc.runtime.process.endtime import EXIT_AT_DEADLINE
 
-    if code == EXIT_STOPPED_UNFINISHED:
+    if code == EXIT_AT_DEADLINE:
         return "deadline"
     if code == EXIT_TIME_LIMIT:
         return "time limit"

@@ -60,6 +60,7 @@ class RunLifecycle:
                  stop: StopFlag, limit: TimeLimit):
         self.cfg, self.run_dir, self.trainer, self.checkpointer, self.stop = cfg, run_dir, trainer, checkpointer, stop
         self.limit, self.clock = limit, limit.clock
+        limit.saves = checkpointer.manager if checkpointer is not None else None
         self.placement = trainer.placement
         self.seat, self.hooks = self.placement.seat, self.placement.lifecycle
         self.last_saved_step: int | None = None

@@ -24,6 +24,7 @@ from pathlib import Path  # noqa: E402
 from verl_hpc.config import load_config  # noqa: E402
 from verl_hpc.config.placement import plan_for_config  # noqa: E402
 from verl_hpc.runtime.process.dist import DistContext, default_store, init_distributed  # noqa: E402
+from verl_hpc.runtime.process.endtime import EXIT_AT_DEADLINE  # noqa: E402
 from verl_hpc.runtime.process.env import JobEnvironment  # noqa: E402
 from verl_hpc.runtime.process.signals import EXIT_STOPPED_UNFINISHED, StopFlag, ignore_notices_until_exit  # noqa: E402
 from verl_hpc.runtime.state.time_limit import TimeLimit  # noqa: E402
@@ -116,18 +117,18 @@ def main() -> int:
 
 
 def exit_code(outcome, env: JobEnvironment, leader: bool) -> int:  # outcome: Outcome
-    """0, or EXIT_STOPPED_UNFINISHED on the leader of a run that stopped early and was not requeued.
-
-    Why: under Slurm such a job must not look COMPLETED; under the local launcher, a stop at
-    the `--time-limit` deadline is how `verl-hpc train` learns the run is not finished.
-    """
+    """0, or on the leader of a run that stopped early and was not requeued: under Slurm
+    EXIT_STOPPED_UNFINISHED (such a job must not look COMPLETED), under the local launcher
+    EXIT_AT_DEADLINE after a stop at the `--time-limit` deadline (how `verl-hpc train` learns
+    that the run is not finished)."""
     if outcome.stopped_by is None:
         return 0
     get_logger("worker").info("stopped: %s", outcome.stopped_by)
-    at_deadline = outcome.stop is not None and outcome.stop.path == "deadline"
-    if leader and outcome.wanted_requeue and not outcome.requeued and (env.scheduler == "slurm" or at_deadline):
+    if not leader or not outcome.wanted_requeue or outcome.requeued:
+        return 0
+    if env.scheduler == "slurm":
         return EXIT_STOPPED_UNFINISHED
-    return 0
+    return EXIT_AT_DEADLINE if outcome.stop is not None and outcome.stop.path == "deadline" else 0
 
 
 def run_worker(cfg, ctx: DistContext, run_dir: Path, stop: StopFlag, limit: TimeLimit):  # -> Outcome

@@ -18,11 +18,12 @@ slowest estimates and the least time left over the trainer ranks, one all-reduce
   stop, and if the step overruns, the run resumes from this boundary;
 - otherwise go on.
 
-Between boundaries the trainer leader's watchdog abandons what is in progress and requeues
-at once when its checkpoint could no longer be written M seconds before the end: during a
-step once L < S + M, during start-up or a save once L < M. An abandoned step or save leaves
-nothing resume would load (checkpoints are committed atomically with their manifest), so
-the run resumes from the newest committed checkpoint — the save-ahead's, usually.
+Between boundaries the trainer leader's watchdog abandons what is in progress when its
+checkpoint could no longer be written M seconds before the end — a step once L < S + M,
+start-up or a save once L < M — lets a save still writing commit (while L > M) and requeues.
+An abandoned step or save leaves nothing resume would load (checkpoints are committed
+atomically with their manifest), so the run resumes from the newest committed checkpoint:
+the save-ahead's, usually.
 
 A USR1 that comes within the time-limit notice window of a known end time (at most
 `signal_grace + 30` s before it: slurmctld looks twice a minute) is the backstop's notice

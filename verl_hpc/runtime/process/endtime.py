@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 END_TIME_ENV = "VERL_HPC_END_TIME"
+EXIT_AT_DEADLINE = 75  # a local run's leader stopped at its --time-limit deadline (EX_TEMPFAIL: run it again)
 SLURM_END_TIME_ENV = "SLURM_JOB_END_TIME"
 SCONTROL_TIMEOUT_S = 20.0  # a busy slurmctld answers slowly; the run starts without a deadline after this
 _END_TIME = re.compile(r"\bEndTime=(\S+)")

@@ -14,6 +14,7 @@ import threading
 import time
 from pathlib import Path
 
+from verl_hpc.checkpoint.manager import CheckpointManager
 from verl_hpc.config import RunConfig
 from verl_hpc.metrics import read_jsonl_metrics
 from verl_hpc.metrics.history import StopRecord, record_stop
@@ -34,6 +35,7 @@ class TimeLimit:
         self.cfg, self.run_dir, self.env, self.clock, self.leader = cfg, Path(run_dir), env, clock, leader
         self._lock = threading.Lock()
         self._requeued: tuple[bool, str] | None = None
+        self.saves: CheckpointManager | None = None  # the leader's: an abandoned step lets its save in flight commit
         self.watchdog = DeadlineWatchdog(clock, self._overdue) if leader else None
 
     @classmethod
@@ -93,6 +95,10 @@ class TimeLimit:
             record_stop(self.run_dir, self.env.job_id or "local", self.env.restart_count, stop)
         except OSError as err:
             log.warning("could not record the stop in attempts.jsonl: %s", err)
+        # The requeue's SIGTERM (SIGKILL after KillWait) would cut off a save still writing: let it
+        # commit first while that still leaves the margin.
+        if self.saves is not None and not self.saves.settled(max(0.0, self.clock.end.left() - self.clock.margin_s)):
+            log.warning("the checkpoint still writing did not commit in time; it is left uncommitted")
         requeued, message = self.requeue_once(None)
         log.warning("%s", message)
         print(f"verl-hpc: {phase} abandoned {left_s:.0f} s before the time limit; {message}", file=sys.stderr,
