@@ -290,3 +290,30 @@ def wait_for(condition, timeout: float) -> bool:  # type: ignore[no-untyped-def]
     while not condition() and time.monotonic() < deadline:
         time.sleep(0.02)
     return bool(condition())
+
+
+def test_the_deadline_requeues_and_a_step_that_cannot_be_requeued_is_ended_on_every_component(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import os
+
+    from verl_hpc.runtime.process.env import JobEnvironment
+    from verl_hpc.runtime.process.signals import end_job_step, job_step_ids, requeue
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("scontrol", "scancel"):
+        (bin_dir / tool).write_text(f'#!/bin/sh\necho "{tool} $*" >> {tmp_path / "called"}\n')
+        (bin_dir / tool).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    env = JobEnvironment(rank=0, world_size=4, local_rank=0, local_world_size=1, master_addr="127.0.0.1",
+                         master_port=29500, job_id="20", restart_count=0, scheduler="slurm", hostname="node1")
+    assert requeue(env, max_requeues=3, signum=None)[0]  # the deadline: no signal, still a requeue
+    assert not requeue(env, max_requeues=0, signum=None)[0]
+    het = {"SLURM_JOB_ID": "20", "SLURM_STEP_ID": "0", "SLURM_HET_SIZE": "3", "SLURM_JOB_ID_HET_GROUP_0": "20",
+           "SLURM_JOB_ID_HET_GROUP_1": "21", "SLURM_JOB_ID_HET_GROUP_2": "22"}
+    assert job_step_ids(het) == ["21.0", "22.0", "20.0"]  # this task's own component last: it ends us
+    assert job_step_ids({"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0"}) == ["7.0"]
+    assert job_step_ids({"SLURM_JOB_ID": "7"}) == []  # the batch shell: no step to end
+    assert end_job_step(het)
+    assert (tmp_path / "called").read_text().splitlines() == [
+        "scontrol requeue 20", "scancel --signal=KILL 21.0", "scancel --signal=KILL 22.0", "scancel --signal=KILL 20.0"]

@@ -184,6 +184,7 @@ class RunLifecycle:
                 return outcome
             if action in (Action.STOP, Action.STOP_UNSAVED, Action.ABANDONED):
                 return self.stop_early(agreed, action, outcome)
+        self.clock.enter("done")  # every step is saved: nothing left for the watchdog to abandon
         self.finish()
         return outcome
 
