@@ -316,4 +316,4 @@ def test_the_deadline_requeues_and_a_step_that_cannot_be_requeued_is_ended_on_ev
     assert job_step_ids({"SLURM_JOB_ID": "7"}) == []  # the batch shell: no step to end
     assert end_job_step(het)
     assert (tmp_path / "called").read_text().splitlines() == [
-        "scontrol requeue 20", "scancel --signal=KILL 21.0", "scancel --signal=KILL 22.0", "scancel --signal=KILL 20.0"]
+        "scontrol requeue 20", "scancel --signal=KILL 21.0 22.0 20.0"]

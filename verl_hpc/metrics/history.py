@@ -122,6 +122,7 @@ def read_history(run_dir: Path) -> list[Attempt]:
     """Every attempt of the run; a torn last line (a kill mid-write) is skipped."""
     path = Path(run_dir) / HISTORY_FILE
     attempts: dict[int, Attempt] = {}
+    stops: list[dict] = []
     if not path.exists():
         return []
     for line in path.read_text().splitlines():
@@ -139,12 +140,15 @@ def read_history(run_dir: Path) -> list[Attempt]:
             if event.get("stop"):
                 found.stop = StopRecord.from_json(event["stop"])
         elif event.get("event") == "stop":
-            _attach_stop(attempts, event)
+            stops.append(event)
+    for event in stops:
+        _attach_stop(attempts, event)
     return [attempts[k] for k in sorted(attempts)]
 
 
 def _attach_stop(attempts: dict[int, Attempt], event: dict) -> None:
-    """A watchdog's `stop` line to the newest attempt of its job and restart (one started by then)."""
+    """A watchdog's `stop` line to the newest attempt of its job and restart, unless its `end` line
+    said how it stopped (the watchdog may give up on a start-up before the attempt's `start`)."""
     for number in sorted(attempts, reverse=True):
         found = attempts[number]
         if found.job_id == str(event.get("job_id")) and found.restart_count == event.get("restart_count"):

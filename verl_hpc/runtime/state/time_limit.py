@@ -13,16 +13,19 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from verl_hpc.checkpoint.manager import CheckpointManager
 from verl_hpc.config import RunConfig
-from verl_hpc.metrics import read_jsonl_metrics
 from verl_hpc.metrics.history import StopRecord, record_stop
+from verl_hpc.metrics.tensorboard import read_jsonl_metrics
 from verl_hpc.runtime.process.deadline import DeadlineClock, DeadlineWatchdog
 from verl_hpc.runtime.process.endtime import EndTime, job_end_time
 from verl_hpc.runtime.process.env import JobEnvironment
 from verl_hpc.runtime.process.signals import end_job_step, requeue
 from verl_hpc.utils.logging import get_logger
+
+if TYPE_CHECKING:  # DCP takes seconds to import: a worker's start-up must not wait for it here
+    from verl_hpc.checkpoint.manager import CheckpointManager
 
 log = get_logger("deadline")
 STEP_ESTIMATE, SAVE_ESTIMATE, TIME_LEFT = "perf/step_estimate_s", "perf/save_estimate_s", "perf/time_left_s"
