@@ -2,7 +2,7 @@
 
 Why the end time and not only a signal: `--signal=B:USR1@N` reaches the job N s +- 30 s
 before the limit (slurmctld looks at time limits twice a minute; measured on the local
-cluster: `@60` 87 s before the end, `@50` in a 1-minute job 37 s before), and the limit
+cluster: `@60` 64-89 s before the end, `@50` in a 1-minute job 37 s before), and the limit
 itself is enforced up to 30 s after the end time, never before. A run that knows the end time can stop at the
 step boundary where the next step and a checkpoint would no longer fit, whatever the
 signal's timing, and can still stop in time when a step or a save is slow.
