@@ -213,7 +213,7 @@ class RunLifecycle:
         out = {STEP_ESTIMATE: budget.step_s, SAVE_ESTIMATE: self.clock.save_estimate()}
         if budget.known:
             out[TIME_LEFT] = budget.left_s
-        return out if self.seat.trains else {}
+        return out
 
     def validate(self) -> dict[str, float]:
         """Trainer ranks validate (the leader gets the metrics); serving ranks do their part."""

@@ -2,9 +2,9 @@
 
 Why only a flag: checkpointing inside a signal handler corrupts state (a collective or a
 file write interrupted half-way — Lightning#21406). The handler records which signal
-arrived; at the end of the step the trainer ranks agree (a MAX all-reduce, so one rank's
-signal stops all), save synchronously, tell the other roles to stop, and — under Slurm —
-requeue the job.
+arrived and when; at the end of the step the trainer ranks agree (a MAX all-reduce, so one
+rank's signal stops all: runtime/process/deadline.py), save synchronously, tell the other
+roles to stop, and — under Slurm — requeue the job.
 
 Which signal means what: SIGUSR1 — the time limit is near (`--signal=B:USR1@grace`,
 forwarded to the step by the batch script); SIGTERM — preemption, `scontrol requeue`,
@@ -21,11 +21,7 @@ import time
 from collections.abc import Mapping
 from types import FrameType
 
-import torch
-import torch.distributed as dist
-
 from verl_hpc.runtime.process.env import JobEnvironment
-from verl_hpc.utils.collective import all_reduce_kept
 from verl_hpc.utils.logging import get_logger
 
 log = get_logger("signals")
@@ -59,13 +55,6 @@ class StopFlag:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)  # type: ignore[arg-type]
         self._previous.clear()
-
-    def agreed(self, group: dist.ProcessGroup | None = None) -> int | None:
-        """The signal any rank of `group` received (all ranks get the same answer)."""
-        value = torch.tensor([self.received or 0])
-        if group is not None and dist.get_world_size(group) > 1:
-            all_reduce_kept(value, dist.ReduceOp.MAX, group)
-        return int(value.item()) or None
 
     @staticmethod
     def name(signum: int | None) -> str:
