@@ -249,6 +249,7 @@ def test_time_limit_signal_requeues_until_done(slurm_cluster: SlurmCluster, mode
     assert stable(run_dir) == expected
     early = [stop for stop in stops(run_dir) if stop is not None]
     assert early and all(s.time_left_s is not None and s.time_left_s > 0 for s in early), early  # before the limit
+    assert {s.path for s in early} == {"deadline"}, early  # stopped by the deadline, not by the USR1 backstop
 
 
 def test_max_requeues_ends_the_job_with_a_message_and_keeps_checkpoints(slurm_cluster: SlurmCluster, model: Path,

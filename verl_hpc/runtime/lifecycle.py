@@ -247,11 +247,13 @@ class RunLifecycle:
             self.checkpointer.manager.wait()
         self.clock.enter("stopping")
         signum, budget = agreed.signum, agreed.budget
-        outcome.stop = StopRecord(stop_path(signum, self.stop.times, self.clock.end.at, self.clock.grace_s),
-                                  StopFlag.name(signum) if signum else None,
+        # An abandoned step is the deadline's doing: a SIGTERM seen then is its own requeue's.
+        abandoned = action is Action.ABANDONED
+        path = "deadline" if abandoned else stop_path(signum, self.stop.times, self.clock.end.at, self.clock.grace_s)
+        outcome.stop = StopRecord(path, StopFlag.name(signum) if signum and not abandoned else None,
                                   budget.left_s if budget.known else None, budget.step_s, budget.save_s,
-                                  self.clock.margin_s, abandoned=action is Action.ABANDONED,
-                                  phase=self.clock.abandoned_in if action is Action.ABANDONED else None)
+                                  self.clock.margin_s, abandoned=abandoned,
+                                  phase=self.clock.abandoned_in if abandoned else None)
         outcome.stopped_by = StopFlag.name(signum) if signum else "deadline"
         outcome.wanted_requeue = signum is None or signum in REQUEUE_SIGNALS
         if self.seat.is_leader:
