@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import Field, model_validator
 
 from verl_hpc.config.base import StrictModel
+from verl_hpc.config.container import ContainerConfig
 from verl_hpc.config.dpo import DPOConfig
 from verl_hpc.config.observability import LoggingConfig
 from verl_hpc.config.presets import PRESETS, expand_preset
@@ -338,6 +339,8 @@ class SlurmConfig(StrictModel):
     requeue_margin_seconds: int = Field(15, ge=0)
     max_requeues: int = Field(5, ge=0)
     setup: list[str] = Field(default_factory=list)
+    container: ContainerConfig = Field(default_factory=ContainerConfig, description="run every task inside "
+                                       "an image: pyxis, apptainer or podman (docs/container.md)")
 
 
 # Checks across sections, files and registries (config/validate.py registers them on import).
