@@ -19,6 +19,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Mapping
+from pathlib import Path
 from types import FrameType
 
 from verl_hpc.runtime.process.env import JobEnvironment
@@ -101,8 +102,7 @@ def requeue(env: JobEnvironment, max_requeues: int, signum: int | None = signal.
                        "requeuing; the checkpoints are kept, resubmit with the same run dir to continue")
     scontrol = shutil.which("scontrol")
     if scontrol is None:
-        return False, ("scontrol is not on PATH (common inside containers): cannot requeue job "
-                       f"{env.job_id}; the checkpoint is complete, resubmit with the same run dir (docs/slurm.md)")
+        return _ask_batch_shell(env, max_requeues)
     # Its own session: srun relays USR1 to the task's whole process group, and the batch shell
     # repeats it every 5 s; in the worker's group a repeat would kill scontrol mid-request.
     proc = subprocess.run([scontrol, "requeue", env.job_id], capture_output=True, text=True, timeout=60,
@@ -144,3 +144,18 @@ def end_job_step(environ: Mapping[str, str] | None = None) -> bool:
     subprocess.run([scancel, "--signal=KILL", *ids], capture_output=True, text=True, timeout=60,
                    start_new_session=True, check=False)
     return True
+
+
+def _ask_batch_shell(env: JobEnvironment, max_requeues: int) -> tuple[bool, str]:
+    """No scontrol here (a task inside a container image): the batch shell, on the host, requeues.
+
+    The job script of a `slurm.container` run names a request file in VERL_HPC_REQUEUE_REQUEST
+    and runs `scontrol requeue` after the step when the file exists (launch/container.py).
+    """
+    request = os.environ.get("VERL_HPC_REQUEUE_REQUEST")
+    if not request:
+        return False, ("scontrol is not on PATH (common inside containers): cannot requeue job "
+                       f"{env.job_id}; the checkpoint is complete, resubmit with the same run dir (docs/slurm.md)")
+    Path(request).write_text(f"{env.job_id}\n")
+    return True, (f"asked the batch shell to requeue job {env.job_id} (no scontrol in this container; "
+                  f"restart {env.restart_count + 1} of at most {max_requeues})")
