@@ -57,6 +57,16 @@ def test_golden_script_per_runtime_is_valid_bash(runtime: str) -> None:
     assert 'srun --het-group=0-2 --kill-on-bad-exit=0 "${in_image[@]}" bash -c' in out
 
 
+def test_cuda_roles_get_the_gpu_flags_of_each_runtime() -> None:
+    cuda = ["resources.actor.device_type=cuda", "resources.actor.device_ids=[0,1]"]
+    cpu = render_sbatch(load_config(REPO / "configs" / "slurm_local.yaml", container("podman")), Path("/r"),
+                        Path("/r/slurm"), "/py")
+    gpu = render_sbatch(load_config(REPO / "configs" / "slurm_local.yaml", [*container("podman"), *cuda]),
+                        Path("/r"), Path("/r/slurm"), "/py")
+    assert "--nv" not in cpu and "nvidia.com/gpu" not in cpu
+    assert "apptainer exec --nv --bind" in gpu and '-w "$VERL_HPC_RUN_DIR" --device nvidia.com/gpu=all)' in gpu
+
+
 def test_without_a_container_the_script_is_unchanged() -> None:
     cfg = load_config(REPO / "configs" / "slurm_local.yaml")
     script = render_sbatch(cfg, Path("/r"), Path("/r/slurm"), "/py")
