@@ -91,6 +91,7 @@ def test_templates_can_switch_a_container_on_when_submitting() -> None:
     (container("podman", "slurm.container.env={BAD-NAME: 1}"), "slurm.container.env.BAD-NAME", "letters"),
     (container("podman", "slurm.container.python=python3"), "slurm.container.python", "/opt/verl-hpc"),
     (container("podman", "model.path=models/tiny"), "model.path", "absolute path"),
+    (container("podman", "model.path=/models/a:b"), "model.path", "without spaces"),
 ])
 def test_bad_container_config_is_one_line_naming_the_field(overrides: list[str], field: str, hint: str) -> None:
     with pytest.raises(ConfigError) as caught:

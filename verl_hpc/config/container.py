@@ -146,3 +146,7 @@ def check_container_paths(cfg: RunConfig) -> None:
         if not path.startswith(("/", "~", "$")):
             raise FieldError(field, f"{path!r} is relative: inside the container (slurm.container) the "
                              "tasks start in the run directory", "give an absolute path")
+        if not _NO_SPACES.match(path) or ":" in path:
+            raise FieldError(field, f"{path!r} cannot be mounted into the container (slurm.container): "
+                             "mount lists are split on commas and colons", "use a path without spaces, "
+                             "quotes, commas or colons")
