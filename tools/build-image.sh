@@ -9,7 +9,7 @@
 #
 # Options: --flavour cpu|cuda, --tag NAME, --no-vllm, --base IMAGE (skip the base lookup),
 #   --wheels DIR (a folder of wheels pip may take, e.g. a CPU torch wheel; mounted for the build only;
-#   default: $PIP_FIND_LINKS when it is a folder),
+#   default for cpu: $PIP_FIND_LINKS when it is a folder),
 #   --torch-index URL (where torch comes from; default for cpu: the PyTorch CPU index, unless --wheels
 #   holds torch), --ca-bundle FILE (CA certificates pip trusts while building; default: $PIP_CERT or
 #   $SSL_CERT_FILE when set, for a proxy that re-signs TLS; mounted for the build only), --sif FILE, --sqsh FILE.
@@ -30,8 +30,6 @@ cd "$(dirname "$0")/.."
 
 FLAVOUR=cpu TAG="" WITH_VLLM=1 BASE="" WHEELS="" TORCH_INDEX="" SIF="" SQSH=""
 CA_BUNDLE=${PIP_CERT:-${SSL_CERT_FILE:-}}
-# The folder of wheels this machine's pip already takes (PIP_FIND_LINKS), if it is one folder.
-if [ -n "${PIP_FIND_LINKS:-}" ] && [ -d "$PIP_FIND_LINKS" ]; then WHEELS=$(cd "$PIP_FIND_LINKS" && pwd); fi
 DEBIAN_IMAGE=docker.io/library/debian:bookworm-slim
 LOCAL_BASE=localhost/verl-hpc-base:bookworm
 MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
@@ -56,6 +54,11 @@ while [ "$#" -gt 0 ]; do
   shift
 done
 case "$FLAVOUR" in cpu|cuda) ;; *) say "--flavour must be cpu or cuda, got $FLAVOUR"; exit 2 ;; esac
+# cpu: the folder of wheels this machine's pip already takes (PIP_FIND_LINKS), if it is one folder
+# (not for cuda: a CPU torch there would win over PyPI's CUDA build).
+if [ -z "$WHEELS" ] && [ "$FLAVOUR" = cpu ] && [ -n "${PIP_FIND_LINKS:-}" ] && [ -d "$PIP_FIND_LINKS" ]; then
+  WHEELS=$(cd "$PIP_FIND_LINKS" && pwd)
+fi
 [ -n "$TAG" ] || TAG=localhost/verl-hpc:$FLAVOUR
 
 # ---- the builder: podman, else buildah; install podman (Debian) as root when neither is here ----
