@@ -16,6 +16,7 @@ import re
 import shutil
 import subprocess
 import sys
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -66,9 +67,19 @@ def podman(*args: str, timeout: float = 1800) -> subprocess.CompletedProcess[str
     return subprocess.run(["podman", *args], text=True, capture_output=True, timeout=timeout, check=False)
 
 
-def in_image(image: str, mount: Path, *command: str, timeout: float = 1800) -> subprocess.CompletedProcess[str]:
-    """`command` in a container of `image`, with `mount` at its own path (as the job script mounts)."""
-    return podman("run", "--rm", "--network=host", "-v", f"{mount}:{mount}", image, *command, timeout=timeout)
+def in_image(image: str, mount: Path, *command: str, timeout: float = 3600) -> subprocess.CompletedProcess[str]:
+    """`command` in a container of `image`, with `mount` at its own path (as the job script mounts).
+
+    On a timeout the container is removed too: killing the podman client alone leaves it running.
+    """
+    label = f"verl-hpc.test={uuid.uuid4().hex}"
+    try:
+        return podman("run", "--rm", "--network=host", "--ipc=host", "--label", label, "-v", f"{mount}:{mount}",
+                      image, *command, timeout=timeout)
+    finally:
+        left = podman("ps", "-aq", "--filter", f"label={label}", timeout=60).stdout.split()
+        if left:
+            podman("rm", "-f", "-t", "0", *left, timeout=120)
 
 
 def test_the_image_holds_no_compiler_toolchain(image: str) -> None:
