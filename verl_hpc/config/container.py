@@ -11,20 +11,17 @@ anything is submitted, so a typo in an image or mount costs one line, not a queu
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from verl_hpc.config.base import StrictModel
 from verl_hpc.config.errors import FieldError
 
-if TYPE_CHECKING:
-    from verl_hpc.config.schema import RunConfig
-
 IMAGE_PYTHON = "/opt/verl-hpc/venv/bin/python"  # where the Containerfile puts the venv
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _URI = re.compile(r"^[a-z][a-z0-9+.-]*://")
-_NO_SPACES = re.compile(r"^[^\s'\"\\,]+$")
+NO_SPACES = re.compile(r"^[^\s'\"\\,]+$")
 RUNTIMES = ("pyxis", "apptainer", "podman")
 
 
@@ -71,14 +68,14 @@ class ContainerConfig(StrictModel):
                 raise FieldError(f"env.{name}", "is not a shell variable name", "use letters, digits and _")
             if "\n" in str(value) or "\r" in str(value):
                 raise FieldError(f"env.{name}", "a value cannot hold a line break", "put it on one line")
-        if not self.python.startswith("/") or not _NO_SPACES.match(self.python):
+        if not self.python.startswith("/") or not NO_SPACES.match(self.python):
             raise FieldError("python", f"{self.python!r} is not an absolute path without spaces",
                              f"the interpreter inside the image, e.g. {IMAGE_PYTHON}")
         return self
 
 
 def _check_image(runtime: str, image: str) -> None:
-    if not _NO_SPACES.match(image):
+    if not NO_SPACES.match(image):
         raise FieldError("image", f"{image!r} cannot go into a job script", "use no spaces, quotes or commas")
     is_file = image.endswith((".sif", ".sqsh", ".squashfs"))
     if runtime == "apptainer" and not (_URI.match(image) or image.startswith("/")):
@@ -95,7 +92,7 @@ def _check_image(runtime: str, image: str) -> None:
 def parse_mount(mount: str, field: str) -> tuple[str, str, bool]:
     """`SRC`, `SRC:DST`, `SRC:DST:ro|rw` -> (source, destination, read_only); both absolute."""
     parts = mount.split(":")
-    if not _NO_SPACES.match(mount) or len(parts) > 3 or (len(parts) == 3 and parts[2] not in ("ro", "rw")):
+    if not NO_SPACES.match(mount) or len(parts) > 3 or (len(parts) == 3 and parts[2] not in ("ro", "rw")):
         raise FieldError(field, f"{mount!r} is not SRC, SRC:DST or SRC:DST:ro",
                          "absolute paths without spaces, commas or colons, e.g. /scratch or /data:/data:ro")
     source, target = parts[0], parts[1] if len(parts) > 1 else parts[0]
@@ -103,50 +100,3 @@ def parse_mount(mount: str, field: str) -> tuple[str, str, bool]:
         raise FieldError(field, f"{mount!r}: both paths must be absolute",
                          "give absolute paths, e.g. /scratch/data:/data:ro")
     return source.rstrip("/") or "/", target.rstrip("/") or "/", len(parts) == 3 and parts[2] == "ro"
-
-
-def input_paths(cfg: RunConfig) -> list[tuple[str, str]]:
-    """(field, path as written) of every file or folder the workers read that is not in the run directory."""
-    found: list[tuple[str, str]] = [("model.path", cfg.model.path)]
-    if cfg.model.critic_path:
-        found.append(("model.critic_path", cfg.model.critic_path))
-    found += [(f"data.train_files[{i}]", f) for i, f in enumerate(cfg.data.train_files)]
-    found += [(f"data.val_files[{i}]", f) for i, f in enumerate(cfg.data.val_files)]
-    if cfg.data.replay_rollouts:
-        found.append(("data.replay_rollouts", cfg.data.replay_rollouts))
-    reward = cfg.reward
-    if reward is not None:
-        if reward.model_path:
-            found.append(("reward.model_path", reward.model_path))
-        if reward.function and _is_file_spec(reward.function.rpartition(":")[0]):
-            found.append(("reward.function", reward.function.rpartition(":")[0]))
-        if reward.custom_reward_function is not None and reward.custom_reward_function.path:
-            found.append(("reward.custom_reward_function.path", reward.custom_reward_function.path))
-    found += [(f"plugins[{i}]", p.rpartition(":")[0] or p) for i, p in enumerate(cfg.plugins)
-              if _is_file_spec(p.rpartition(":")[0] or p)]
-    if cfg.checkpoint.resume not in ("auto", "never"):
-        found.append(("checkpoint.resume", cfg.checkpoint.resume))
-    return found
-
-
-def _is_file_spec(text: str) -> bool:
-    return "/" in text or text.endswith(".py")
-
-
-def check_container_paths(cfg: RunConfig) -> None:
-    """With a container, every path the workers read must be absolute (or start at ~ or $VAR).
-
-    Why: inside the container the tasks start in the run directory, not where `verl-hpc submit`
-    ran, so a relative path would name another file there; an absolute one is mounted at the
-    same path and means the same file on both sides.
-    """
-    if cfg.slurm.container.runtime == "none":
-        return
-    for field, path in input_paths(cfg):
-        if not path.startswith(("/", "~", "$")):
-            raise FieldError(field, f"{path!r} is relative: inside the container (slurm.container) the "
-                             "tasks start in the run directory", "give an absolute path")
-        if not _NO_SPACES.match(path) or ":" in path:
-            raise FieldError(field, f"{path!r} cannot be mounted into the container (slurm.container): "
-                             "mount lists are split on commas and colons", "use a path without spaces, "
-                             "quotes, commas or colons")

@@ -16,7 +16,7 @@ from verl_hpc.config.checks import (
     check_reward,
     check_roles,
 )
-from verl_hpc.config.container import check_container_paths
+from verl_hpc.config.container_paths import check_container_paths
 from verl_hpc.config.dpo_checks import check_dpo, refuse_dpo_parts
 from verl_hpc.config.errors import FieldError
 from verl_hpc.config.schema import CROSS_CHECKS, RunConfig

@@ -26,10 +26,21 @@ from pathlib import Path
 
 from verl_hpc.config import RunConfig
 from verl_hpc.config.checks import expand_path
-from verl_hpc.config.container import ContainerConfig, input_paths, parse_mount
+from verl_hpc.config.container import ContainerConfig, parse_mount
+from verl_hpc.config.container_paths import input_paths
 
 REQUEUE_REQUEST = ".requeue_${SLURM_JOB_ID:-0}_${SLURM_RESTART_COUNT:-0}"
 JOB_LABEL = "verl-hpc.job"
+# Nor is scontrol there for the workers' deadline (runtime/process/endtime.py): the batch shell reads
+# this attempt's earliest EndTime (one per hetjob component) and passes it in as unix seconds.
+END_TIME_LINES = [
+    "# No scontrol in the image either: this attempt's end time, for the workers' deadline.",
+    'if [ "$VERL_HPC_CONTAINER_RUNTIME" != none ] && [ -z "${SLURM_JOB_END_TIME:-}" ]; then',
+    '  VERL_HPC_END_TIME=$(scontrol show job "${SLURM_JOB_ID:-0}" 2>/dev/null | grep -o "EndTime=[0-9][0-9T:-]*" \\',
+    '    | cut -d= -f2 | xargs -r -n1 date +%s -d 2>/dev/null | sort -n | head -n 1) || VERL_HPC_END_TIME=""',
+    '  if [ -n "$VERL_HPC_END_TIME" ]; then export VERL_HPC_END_TIME; else unset VERL_HPC_END_TIME; fi',
+    "fi",
+]
 
 
 def uses_container(cfg: RunConfig) -> bool:
@@ -107,6 +118,7 @@ def container_block(cfg: RunConfig, template: bool) -> list[str]:
         "# Slurm's commands stay on the host: a worker in the image asks for a requeue with this file.",
         f'export VERL_HPC_REQUEUE_REQUEST="$VERL_HPC_LOG_DIR/{REQUEUE_REQUEST}"',
         'rm -f "$VERL_HPC_REQUEUE_REQUEST"',
+        *END_TIME_LINES,
     ]
 
 

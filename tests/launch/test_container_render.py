@@ -4,7 +4,7 @@ Golden scripts per runtime (pyxis, apptainer, podman) pass `bash -n`; then each 
 real under bash with stub `srun`/`podman`/`apptainer`/`scontrol` that record the command lines
 they get and start the task command, so the mounts, working directory and the per-task USR1
 wrapper are checked where they act: inside the runtime's command, not just in the text.
-Regenerate goldens with `VERL_HPC_UPDATE_GOLDEN=1 python -m pytest tests/test_container_render.py`.
+Regenerate goldens with `VERL_HPC_UPDATE_GOLDEN=1 python -m pytest tests/launch/test_container_render.py`.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from verl_hpc.cli.main import main
 from verl_hpc.config import ConfigError, load_config
 from verl_hpc.launch.sbatch import render_sbatch, render_template
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 GOLDEN = REPO / "tests" / "golden"
 UPDATE = os.environ.get("VERL_HPC_UPDATE_GOLDEN") == "1"
 MODEL = "/models/tiny-seed0"
@@ -125,14 +125,19 @@ shift  # the image
 exec "$@"
 """
 STUB_SCONTROL = """#!/bin/bash
+if [ "$1" = show ]; then  # two hetjob components that end 30 s apart
+  printf 'JobId=77 HetJobOffset=0 EndTime=2026-12-05T10:00:30 Foo=1\\n\\nJobId=78 EndTime=2026-12-05T10:00:00\\n'
+  exit 0
+fi
 echo "$@" > "$VERL_HPC_LOG_DIR/scontrol_args"
 """
 # The worker: notes its working directory and, with STUB_ASK_REQUEUE, asks for a requeue as a worker
-# in an image without scontrol does (runtime/signals.py).
+# in an image without scontrol does (runtime/process/signals.py).
 STUB_PYTHON = f"""#!{sys.executable}
 import os, pathlib
 logs = pathlib.Path(os.environ["VERL_HPC_LOG_DIR"])
 (logs / "worker_ran").write_text(os.getcwd())
+(logs / "worker_end_time").write_text(os.environ.get("VERL_HPC_END_TIME", "unset"))
 if os.environ.get("STUB_ASK_REQUEUE"):
     pathlib.Path(os.environ["VERL_HPC_REQUEUE_REQUEST"]).write_text("77")
 """
@@ -227,8 +232,8 @@ def test_requeue_without_scontrol_leaves_the_request_for_the_batch_shell(tmp_pat
                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     import signal
 
-    from verl_hpc.runtime.env import JobEnvironment
-    from verl_hpc.runtime.signals import requeue
+    from verl_hpc.runtime.process.env import JobEnvironment
+    from verl_hpc.runtime.process.signals import requeue
 
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))  # an image without Slurm's tools
     env = JobEnvironment(rank=0, world_size=1, local_rank=0, local_world_size=1, master_addr="127.0.0.1",
@@ -277,3 +282,22 @@ def test_submit_says_in_one_line_that_the_image_is_missing(tmp_path: Path, monke
     assert code == 2 and out == "" and err.count("\n") == 1, err
     assert "slurm.container.image: localhost/verl-hpc:cpu is not in podman's local store" in err
     assert not run_dir.exists()  # nothing was prepared
+
+
+def test_workers_in_the_image_get_the_earliest_end_time_from_the_batch_shell(tmp_path: Path) -> None:
+    """No scontrol in the image: the deadline's end time comes in as VERL_HPC_END_TIME (unix seconds)."""
+    from datetime import datetime
+
+    from verl_hpc.runtime.process.endtime import job_end_time
+
+    done, logs = run_script(tmp_path, rendered(tmp_path, "podman"))
+    assert done.returncode == 0, done.stderr
+    earliest = datetime(2026, 12, 5, 10, 0, 0).timestamp()  # scontrol's local time, as endtime.py reads it
+    seen = (logs / "worker_end_time").read_text()
+    assert float(seen) == earliest
+    assert job_end_time({"VERL_HPC_END_TIME": seen, "SLURM_JOB_ID": "77"}).at == earliest
+    given, logs = run_script(tmp_path, rendered(tmp_path, "podman"), SLURM_JOB_END_TIME="1800000000")
+    assert given.returncode == 0 and (logs / "worker_end_time").read_text() == "unset"  # Slurm's own is read
+    template = render_template(load_config(REPO / "configs" / "slurm_local.yaml", [f"model.path={MODEL}"]))
+    plain, logs = run_script(tmp_path, template)  # on the host the workers ask scontrol themselves
+    assert plain.returncode == 0 and (logs / "worker_end_time").read_text() == "unset"
