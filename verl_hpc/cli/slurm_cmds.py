@@ -129,7 +129,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
         print(f"run dir: {args.job_id}   last step: {step if step is not None else 'none yet'}")
         from verl_hpc.utils.devices import get_gpu_usage
 
-        print("\n".join(device_report(Path(args.job_id), get_gpu_usage())))
+        print("\n".join(device_report(Path(args.job_id), get_gpu_usage()) + _time_budget(Path(args.job_id))))
         return 0
     job = SlurmJob.lookup(args.job_id)
     status = job.status()
@@ -143,8 +143,16 @@ def _cmd_status(args: argparse.Namespace) -> int:
     if job.run_dir is not None:
         step = job.last_step()
         print(f"last step: {step if step is not None else 'none yet'} (from {job.run_dir}/tensorboard/metrics.jsonl)")
-        print("\n".join(device_report(job.run_dir)))
+        print("\n".join(device_report(job.run_dir) + _time_budget(job.run_dir)))
     return 0
+
+
+def _time_budget(run_dir: Path) -> list[str]:
+    """The time limit's lines: end time, step and save estimates, the last early stop (docs/slurm.md)."""
+    from verl_hpc.launch.slurm_job import last_metrics_row
+    from verl_hpc.metrics.history import read_history, time_budget_lines
+
+    return time_budget_lines(read_history(run_dir), last_metrics_row(run_dir / "tensorboard" / "metrics.jsonl"))
 
 
 def _cmd_logs(args: argparse.Namespace) -> int:

@@ -14,6 +14,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from verl_hpc.config.base import StrictModel
+from verl_hpc.config.container import ContainerConfig
 from verl_hpc.config.dpo import DPOConfig
 from verl_hpc.config.multi_turn import RolloutConfig
 from verl_hpc.config.observability import LoggingConfig
@@ -323,8 +324,11 @@ class SlurmConfig(StrictModel):
     job_name: str = "verl-hpc"
     requeue: bool = True
     signal_grace_seconds: int = Field(120, ge=1)
+    requeue_margin_seconds: int = Field(15, ge=0)
     max_requeues: int = Field(5, ge=0)
     setup: list[str] = Field(default_factory=list)
+    container: ContainerConfig = Field(default_factory=ContainerConfig, description="run every task inside "
+                                       "an image: pyxis, apptainer or podman (docs/container.md)")
 
 
 # Checks across sections, files and registries (config/validate.py registers them on import).

@@ -17,12 +17,14 @@ from verl_hpc.config.checks import (
     check_reward,
     check_roles,
 )
+from verl_hpc.config.container_paths import check_container_paths
 from verl_hpc.config.dpo_checks import check_dpo, refuse_dpo_parts
 from verl_hpc.config.errors import FieldError
 from verl_hpc.config.schema import CROSS_CHECKS, RunConfig
 
 
 def cross_check(cfg: RunConfig) -> None:
+    check_container_paths(cfg)
     if cfg.algorithm.name == "dpo":  # offline preference pairs: no reward, no rollouts (config/dpo.py)
         check_dpo(cfg)
         return

@@ -48,6 +48,7 @@ import psutil
 from verl_hpc.config.placement import ProcessPlan
 from verl_hpc.launch.log_tail import read_tail
 from verl_hpc.launch.relay import LogRelay, announce
+from verl_hpc.runtime.process.endtime import END_TIME_ENV, EXIT_AT_DEADLINE
 from verl_hpc.runtime.process.env import free_port
 from verl_hpc.utils.logging import get_logger
 
@@ -57,6 +58,7 @@ _PR_SET_PDEATHSIG = 1
 # USR1/USR2 too: a "time is nearly up" notice sent to the launcher must become a checkpointed
 # stop of every worker, not the default action (the launcher dies, its workers are SIGKILLed).
 _FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+EXIT_TIME_LIMIT = 124  # `run()` when the time limit ended the workers (as timeout(1) does)
 
 
 def _load_libc() -> ctypes.CDLL | None:
@@ -192,20 +194,22 @@ class LocalLauncher:
     """Spawn one process of `command` per global rank of `plan`, supervise, clean up.
 
     `run()` returns 0 when every worker exits 0, 128+signum when SIGINT/SIGTERM stopped
-    the launcher, and raises `WorkerFailure` (or `LaunchTimeout`) otherwise. On every
-    exit path no worker, nor any process a worker started, is left running (limits: the
-    module docstring).
+    the launcher, EXIT_AT_DEADLINE when the leader stopped early at its deadline (the
+    others exiting 0), EXIT_TIME_LIMIT when `end_time` came first (the workers get
+    SIGTERM, then SIGKILL after `grace_seconds`, as Slurm's KillWait), and raises
+    `WorkerFailure` (or `LaunchTimeout`) otherwise. On every exit path no worker, nor any
+    process a worker started, is left running (limits: the module docstring).
     """
 
     def __init__(self, plan: ProcessPlan, run_dir: Path, command: list[str], env: dict[str, str] | None = None,
                  master_port: int | None = None, grace_seconds: float = 10.0, poll_interval: float = 0.2,
-                 timeout_seconds: float | None = None, relay: bool = True):
+                 timeout_seconds: float | None = None, relay: bool = True, end_time: float | None = None):
         if not command:
             raise ValueError("command must not be empty")
         self.plan, self.run_dir, self.command = plan, Path(run_dir), list(command)
         self.env, self.master_port = env, master_port
         self.grace_seconds, self.poll_interval = grace_seconds, poll_interval
-        self.timeout_seconds = timeout_seconds
+        self.timeout_seconds, self.end_time = timeout_seconds, end_time  # end_time: unix seconds, or None
         self.relay = LogRelay() if relay else None  # progress + start-up lines on our stderr (relay.py)
         self._workers: list[_Worker] = []
         self._received: int | None = None
@@ -257,6 +261,8 @@ class LocalLauncher:
     def _spawn_all(self) -> None:
         port = self.master_port if self.master_port is not None else free_port()
         base_env = {**os.environ, **(self.env or {})}
+        if self.end_time is not None:  # the workers stop at a step boundary before it (runtime/process/deadline.py)
+            base_env[END_TIME_ENV] = f"{self.end_time:.3f}"
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
         for rank in range(self.plan.world_size):
             if self._received is not None:
@@ -293,13 +299,19 @@ class LocalLauncher:
                 log.warning("received %s: stopping all workers", signal.Signals(self._received).name)
                 self._terminate_all()
                 return 128 + self._received
-            failed = [w for w in self._workers if w.popen.poll() not in (None, 0)]
+            failed = [w for w in self._workers if w.popen.poll() not in (None, 0, EXIT_AT_DEADLINE)]
             if failed:
                 self._raise_failure(failed)
-            if all(w.popen.returncode == 0 for w in self._workers):
-                return 0
+            codes = {w.popen.returncode for w in self._workers}
+            if codes <= {0, EXIT_AT_DEADLINE}:
+                return max(codes)
             if deadline is not None and time.monotonic() > deadline:
                 self._raise_timeout()
+            if self.end_time is not None and time.time() >= self.end_time:
+                log.warning("the time limit is reached: stopping all workers (the run resumes from its last "
+                            "committed checkpoint)")
+                self._terminate_all()
+                return EXIT_TIME_LIMIT
             time.sleep(self.poll_interval)
 
     def _raise_failure(self, failed: list[_Worker]) -> None:

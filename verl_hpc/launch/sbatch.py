@@ -20,6 +20,7 @@ from pathlib import Path
 
 from verl_hpc.config import ConfigError, RoleResources, RunConfig
 from verl_hpc.config.placement import GroupSpec, ProcessPlan, plan_for_config
+from verl_hpc.launch.container import after_step, container_block, uses_container
 from verl_hpc.utils.version import VERSION as __version__
 
 WORKER_MODULE = "verl_hpc.runtime.worker"
@@ -42,6 +43,7 @@ class ScriptPaths:
     log_dir: str
     output: str
     usage: tuple[str, ...]
+    template: bool = False
 
 
 def render_sbatch(cfg: RunConfig, run_dir: Path, job_folder: Path, python: str = sys.executable,
@@ -72,7 +74,7 @@ def render_template(cfg: RunConfig, version: str = __version__) -> str:
     _check_values(cfg)
     paths = ScriptPaths(
         run_dir=f"$PWD/runs/{_dq(cfg.slurm.job_name)}", python="python3",
-        log_dir="$VERL_HPC_RUN_DIR/slurm/logs", output="%x-%j.out",
+        log_dir="$VERL_HPC_RUN_DIR/slurm/logs", output="%x-%j.out", template=True,
         usage=("Template: `verl-hpc sbatch CONFIG --template` prints it (docs/slurm.md, Templates). To run it:",
                "  verl-hpc sbatch CONFIG --run-dir DIR --prepare >/dev/null   # config.yaml, model, prompts, secret",
                "  VERL_HPC_RUN_DIR=DIR sbatch THIS_FILE"))
@@ -86,7 +88,9 @@ def _render(cfg: RunConfig, paths: ScriptPaths, version: str) -> str:
         if index:
             lines.append("#SBATCH hetjob")
         lines.extend(_component(plan, index, group))
-    lines += ["", *_prologue(cfg, paths), "", *_signal_block(cfg, plan), "", *_step(plan)]
+    in_image = paths.template or uses_container(cfg)
+    lines += ["", *_prologue(cfg, paths), "", *_signal_block(cfg, plan), "",
+              *_step(plan, in_image, after_step(cfg, paths.template))]
     return "\n".join(lines) + "\n"
 
 
@@ -194,6 +198,7 @@ def _prologue(cfg: RunConfig, paths: ScriptPaths) -> list[str]:
         "# ---- slurm.setup: modules, environments, NCCL_*/GLOO_* variables (docs/slurm.md) ----",
         *setup,
         "",
+        *(block + [""] if (block := container_block(cfg, paths.template)) else []),
         'echo "verl-hpc: job ${SLURM_JOB_ID:-none} restart ${SLURM_RESTART_COUNT:-0} on $(hostname) at $(date \'+%F %T\')"',
     ]
 
@@ -202,11 +207,14 @@ def _signal_block(cfg: RunConfig, plan: ProcessPlan) -> list[str]:
     grace = cfg.slurm.signal_grace_seconds
     return [
         "# ---- signals ----",
-        f"# SIGUSR1 reaches this batch shell only (--signal=B:USR1@{grace}): {grace} s before the time limit",
-        "# (up to 30 s late: Slurm checks limits twice a minute), and at once when a higher-priority",
-        "# job preempts this one. The trap sends it to srun, which relays it to every task of every",
-        "# component: the workers finish the step, save a checkpoint, and rank 0 requeues the job,",
-        "# which resumes from that checkpoint.",
+        "# The workers stop by themselves, before any signal: rank 0 reads the job's EndTime and all stop",
+        "# at the step boundary where the next step, a checkpoint and slurm.requeue_margin_seconds no",
+        "# longer fit, save, and rank 0 requeues the job, which resumes from that checkpoint.",
+        f"# SIGUSR1 is the backstop. It reaches this batch shell only (--signal=B:USR1@{grace}): {grace} s",
+        "# +- 30 s before the time limit (Slurm checks limits twice a minute), and at once when a",
+        "# higher-priority job preempts this one. The trap sends it to srun, which relays it to every task",
+        "# of every component: without a known end time, or for a preemption, the workers finish the",
+        "# step, save a checkpoint, and rank 0 requeues the job.",
         "# SIGTERM (scancel, scontrol requeue, the end of a preemption's grace time, the time limit)",
         "# reaches every task directly from Slurm, then SIGKILL after the cluster's KillWait. A SIGTERM",
         "# sent to this shell alone (scancel -b) is passed on with `scancel --signal=TERM`: srun turns a",
@@ -239,7 +247,7 @@ def _signal_block(cfg: RunConfig, plan: ProcessPlan) -> list[str]:
     ]
 
 
-def _step(plan: ProcessPlan) -> list[str]:
+def _step(plan: ProcessPlan, in_image: bool, requeue_for_image: list[str]) -> list[str]:
     count = len(plan.groups)
     if count > 1:
         comment = f"# One job step over all {count} components: {plan.world_size} tasks, one process group."
@@ -247,6 +255,9 @@ def _step(plan: ProcessPlan) -> list[str]:
     else:
         comment = f"# One job step: {plan.world_size} tasks, one process group."
         srun = "srun --kill-on-bad-exit=0"
+    if in_image:
+        srun += ' "${in_image[@]}"'
+    host_python = "$VERL_HPC_HOST_PYTHON" if in_image else "$VERL_HPC_PYTHON"
     return [
         comment,
         "# In the background, because bash runs a trap only once the foreground command is done.",
@@ -274,10 +285,11 @@ def _step(plan: ProcessPlan) -> list[str]:
         f'  echo "verl-hpc: global ranks: {rank_map(plan)}"',
         '  grep -h -m1 -o "suspect: .*" "$VERL_HPC_LOG_DIR"/*.out 2>/dev/null | head -n 1 | sed "s/^/verl-hpc: /" || true',
         "fi",
+        *requeue_for_image,
         "# `verl-hpc resize` stopped the run at a step boundary, after a checkpoint: a Slurm job cannot",
         "# change its shape, so submit the resized job (same run directory; it resumes) and end this one.",
         'if [ "$status" = 0 ] && [ -f "$VERL_HPC_RUN_DIR/resize_accepted.yaml" ]; then',
-        '  "$VERL_HPC_PYTHON" -m verl_hpc resubmit "$VERL_HPC_RUN_DIR" --python "$VERL_HPC_PYTHON" || status=$?',
+        f'  "{host_python}" -m verl_hpc resubmit "$VERL_HPC_RUN_DIR" --python "{host_python}" || status=$?',
         "fi",
         'exit "$status"',
     ]

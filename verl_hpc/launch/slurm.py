@@ -7,7 +7,8 @@ and its script runs a pickled function; ours runs the worker module over every h
 component. Its two hooks — the submission text and the task count — are all we replace.
 We never use submitit's job state: without accounting it stays UNKNOWN (slurm_job.py).
 
-Submission order: validate the config, check that Slurm's tools are here, then prepare
+Submission order: validate the config, check that Slurm's tools (and the container image,
+with `slurm.container`) are here, then prepare
 the run directory (config.yaml, model, prompts, secret; once, on this machine), then
 sbatch. Job files go to `<run_dir>/slurm/`: the submission script as
 `<id>_submission.sh`, the batch shell's log as `<id>_batch.out`, each rank's output in
@@ -26,6 +27,7 @@ from submitit.core.utils import FailedJobError
 
 from verl_hpc.config import RunConfig, load_config
 from verl_hpc.config.placement import plan_for_config
+from verl_hpc.launch.container import image_problem
 from verl_hpc.launch.sbatch import WORKER_MODULE, render_sbatch
 from verl_hpc.launch.slurm_job import SlurmError, SlurmJob, record_job, slurm_tool
 from verl_hpc.utils.fs import expand_path
@@ -112,6 +114,9 @@ def submit(config_or_path: RunConfig | str | Path, overrides: list[str] | None =
         return render_sbatch(cfg, path, path / JOB_FOLDER, python)
     for tool in SUBMIT_TOOLS:
         slurm_tool(tool)
+    problem = image_problem(cfg.slurm.container)  # before the run directory exists
+    if problem is not None:
+        raise SlurmError(problem)
     folder = prepare_submission(cfg, path)
     submitted = HetjobExecutor(folder, cfg, path, python).submit_run()
     job = SlurmJob(str(submitted.job_id), folder, path)

@@ -227,8 +227,8 @@ def _rank_of(path: Path) -> int:
     return int(match.group(1)) if match else -1
 
 
-def last_metrics_step(path: Path) -> int | None:
-    """`step` of the last complete line of a metrics.jsonl (reads only the file's tail)."""
+def last_metrics_row(path: Path) -> dict | None:
+    """The last complete line of a metrics.jsonl (reads only the file's tail)."""
     try:
         with open(path, "rb") as fh:
             fh.seek(max(0, fh.seek(0, os.SEEK_END) - 65536))
@@ -237,8 +237,16 @@ def last_metrics_step(path: Path) -> int | None:
         return None
     for line in reversed(lines):
         with contextlib.suppress(ValueError, TypeError, KeyError):
-            return int(json.loads(line)["step"])
+            row = json.loads(line)
+            int(row["step"])
+            return row
     return None
+
+
+def last_metrics_step(path: Path) -> int | None:
+    """`step` of the last complete line of a metrics.jsonl."""
+    row = last_metrics_row(path)
+    return int(row["step"]) if row is not None else None
 
 
 def registry_path() -> Path:

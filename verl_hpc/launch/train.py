@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -70,26 +71,45 @@ def prepare_run(cfg: RunConfig, run_dir: str | Path | None) -> Path:
 
 
 def train(cfg: RunConfig, run_dir: str | Path | None = None, *, actor_model: Any = None,
-          reward_model: Any = None) -> TrainResult:
+          reward_model: Any = None, time_limit_s: float | None = None) -> TrainResult:
     """Run `cfg` here: in this process when its plan has one process (objects pass through as
-    they are), else as one worker process per slot of the plan (only the config reaches them)."""
+    they are), else as one worker process per slot of the plan (only the config reaches them).
+
+    `time_limit_s`: the run ends that many seconds from now, as a Slurm job at its time limit:
+    it stops at the step boundary where the next step and a checkpoint no longer fit
+    (`stopped_by` "deadline"); workers still running at the limit are stopped ("time limit").
+    The same command run again resumes from the checkpoint.
+    """
     from verl_hpc.config.machine import check_machine
 
     check_local(cfg)
     check_machine(cfg)  # devices, NCCL, the vLLM build: before the run directory exists
     check_tools(cfg)
+    end_time = time.time() + time_limit_s if time_limit_s else None
     if not needs_launcher(cfg):
         from verl_hpc.runtime.embedded import train_in_process
 
         path = prepare_run_dir(run_dir or cfg.run_dir, cfg)
-        return train_in_process(cfg, path, actor_model, reward_model)
+        return train_in_process(cfg, path, actor_model, reward_model, end_time=end_time)
     if actor_model is not None or reward_model is not None:
         raise ConfigError("resources", "model or reward objects cannot reach the worker processes this "
                           "placement starts", "pass paths / module:function names in the config instead")
-    return launch_local(cfg, run_dir)
+    return launch_local(cfg, run_dir, end_time)
 
 
-def launch_local(cfg: RunConfig, run_dir: str | Path | None) -> TrainResult:
+def _stopped_by(code: int) -> str | None:
+    """What the launcher's exit code says stopped the run early (None: it ran to its end)."""
+    from verl_hpc.launch.local import EXIT_TIME_LIMIT
+    from verl_hpc.runtime.process.endtime import EXIT_AT_DEADLINE
+
+    if code == EXIT_AT_DEADLINE:
+        return "deadline"
+    if code == EXIT_TIME_LIMIT:
+        return "time limit"
+    return signal.Signals(code - 128).name if code > 128 else None
+
+
+def launch_local(cfg: RunConfig, run_dir: str | Path | None, end_time: float | None = None) -> TrainResult:
     from verl_hpc.launch.local import LocalLauncher
     from verl_hpc.metrics import read_jsonl_metrics
 
@@ -99,7 +119,7 @@ def launch_local(cfg: RunConfig, run_dir: str | Path | None) -> TrainResult:
                     path, path / resize.HISTORY_FILE)
     while True:
         launcher = LocalLauncher(plan_for_config(cfg), path, [sys.executable, "-m", "verl_hpc.runtime.worker"],
-                                 grace_seconds=min(10.0, cfg.resources.timeout_seconds))
+                                 grace_seconds=min(10.0, cfg.resources.timeout_seconds), end_time=end_time)
         code = launcher.run()  # 128+signal when Ctrl-C/SIGTERM stopped it (workers saved first)
         if code != 0 or resize.accepted(path) is None:
             break
@@ -110,6 +130,6 @@ def launch_local(cfg: RunConfig, run_dir: str | Path | None) -> TrainResult:
     metrics_file = path / "tensorboard" / "metrics.jsonl"
     rows = read_jsonl_metrics(metrics_file) if metrics_file.exists() else []
     hf_dir = path / "hf_model"
-    stopped_by = signal.Signals(code - 128).name if code > 128 else None
+    stopped_by = _stopped_by(code)
     return TrainResult(path, rows[-1]["step"] if rows else 0, hf_dir if hf_dir.exists() and not stopped_by else None,
                        rows[-1] if rows else {}, stopped_by)

@@ -17,10 +17,12 @@ from verl_hpc.config.explicit import explicit_fields
 from verl_hpc.runtime.build import BuildSpec, resolve_device
 from verl_hpc.runtime.lifecycle import RunLifecycle, TrainResult
 from verl_hpc.runtime.placement.one_process import one_process_placement
+from verl_hpc.runtime.process.env import JobEnvironment
 from verl_hpc.runtime.process.signals import StopFlag
 from verl_hpc.runtime.state.checkpointing import RunCheckpointer, build_manager
 from verl_hpc.runtime.state.run_dir import write_explicit
 from verl_hpc.runtime.state.seeding import seed_all
+from verl_hpc.runtime.state.time_limit import TimeLimit
 from verl_hpc.runtime.step.kinds import build_process_roles, build_step
 from verl_hpc.runtime.step.memory import MemorySeat, attach_watch, plan_process
 from verl_hpc.utils.logging import get_logger, setup_logging
@@ -36,8 +38,10 @@ def hosted_roles(cfg: RunConfig) -> tuple[str, ...]:
     return tuple(roles)
 
 
-def train_in_process(cfg: RunConfig, run_dir: Path, actor_model: Any = None, reward_model: Any = None) -> TrainResult:
-    """Run `cfg` to the end (or a stop signal) in this process; `run_dir` is already prepared."""
+def train_in_process(cfg: RunConfig, run_dir: Path, actor_model: Any = None, reward_model: Any = None,
+                     end_time: float | None = None) -> TrainResult:
+    """Run `cfg` to the end (or a stop signal, or the deadline before `end_time`, unix seconds) in
+    this process; `run_dir` is already prepared."""
     setup_logging(run_dir / "logs", "trainer", 0, cfg.logging.level)
     if cfg.trainer.torch_threads:
         torch.set_num_threads(cfg.trainer.torch_threads)
@@ -54,9 +58,11 @@ def train_in_process(cfg: RunConfig, run_dir: Path, actor_model: Any = None, rew
     checkpointer = RunCheckpointer(cfg, run_dir, build_manager(cfg, run_dir), {"trainer": 1}, True)
     stop = StopFlag().install()
     trainer = build_step(cfg, placement)
+    limit = TimeLimit.start(cfg, run_dir, JobEnvironment.from_env(), True, end_time)
     try:
-        outcome = RunLifecycle(cfg, run_dir, trainer, checkpointer, stop).run()
+        outcome = RunLifecycle(cfg, run_dir, trainer, checkpointer, stop, limit).run()
     finally:
+        limit.close()
         stop.restore()
         placement.lifecycle.close()
     if outcome.stopped_by is not None:

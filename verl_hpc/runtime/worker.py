@@ -10,22 +10,24 @@ import faulthandler
 import os
 import signal
 import sys
+import time
 
 # Before the heavy imports below (seconds of torch loading): a USR1/TERM that arrives while
 # this process starts (a preemption, say) is recorded, not fatal. StopFlag takes it over.
-_EARLY_SIGNALS: list[int] = []
+_EARLY_SIGNALS: list[tuple[int, float]] = []
 for _sig in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT):
-    signal.signal(_sig, lambda signum, _frame: _EARLY_SIGNALS.append(signum))
+    signal.signal(_sig, lambda signum, _frame: _EARLY_SIGNALS.append((signum, time.time())))
 
-import time  # noqa: E402
 import traceback  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from verl_hpc.config import load_config  # noqa: E402
 from verl_hpc.config.placement import plan_for_config  # noqa: E402
 from verl_hpc.runtime.process.dist import DistContext, default_store, init_distributed  # noqa: E402
+from verl_hpc.runtime.process.endtime import EXIT_AT_DEADLINE  # noqa: E402
 from verl_hpc.runtime.process.env import JobEnvironment  # noqa: E402
 from verl_hpc.runtime.process.signals import EXIT_STOPPED_UNFINISHED, StopFlag, ignore_notices_until_exit  # noqa: E402
+from verl_hpc.runtime.state.time_limit import TimeLimit  # noqa: E402
 from verl_hpc.transport.secret import read_run_secret  # noqa: E402
 from verl_hpc.utils.logging import get_logger, setup_logging  # noqa: E402
 from verl_hpc.utils.proc import exit_now  # noqa: E402  (finished runs leave by it)
@@ -73,7 +75,8 @@ def apply_comm_env(comm_env: dict[str, str], backend: str) -> None:
 
 def main() -> int:
     stop = StopFlag().install()  # kept until exit: a second TERM while shutting down is ignored
-    stop.received = _EARLY_SIGNALS[0] if _EARLY_SIGNALS else None
+    for signum, at in _EARLY_SIGNALS:
+        stop.record(signum, at)
     run_dir = Path(os.environ["VERL_HPC_RUN_DIR"])
     cfg = load_config(run_dir / "config.yaml")
     if cfg.trainer.torch_threads:
@@ -90,28 +93,45 @@ def main() -> int:
     faulthandler.enable(all_threads=True)
     setup_logging(run_dir / "logs", group.name, env.rank, cfg.logging.level, console=rank_in_group == 0)
     env.write_debug_file(run_dir / "logs" / f"env_{group.name}_rank{env.rank}.json")
-    ctx = init_distributed(env, plan, cfg.resources.resolved_backend(), cfg.resources.timeout_seconds,
-                           secret=read_run_secret(run_dir))
+    leader = env.rank == plan.group_ranks(plan.groups[0].name)[0]
+    # From here on the leader watches the end time: a start-up that eats the attempt still requeues.
+    limit = TimeLimit.start(cfg, run_dir, env, leader)
+    try:
+        ctx = init_distributed(env, plan, cfg.resources.resolved_backend(), cfg.resources.timeout_seconds,
+                               secret=read_run_secret(run_dir))
+    except BaseException:
+        limit.close()
+        raise
     get_logger("worker").info("joined the world: rank %d of %d, %s rank %d, backend %s", env.rank,
                               env.world_size, group.name, rank_in_group, cfg.resources.resolved_backend())
     try:
-        outcome = run_worker(cfg, ctx, run_dir, stop)
-        if outcome.stopped_by is not None:
-            get_logger("worker").info("stopped: %s", outcome.stopped_by)
-            if env.scheduler == "slurm" and outcome.wanted_requeue and not outcome.requeued \
-                    and env.rank == plan.group_ranks(plan.groups[0].name)[0]:
-                return EXIT_STOPPED_UNFINISHED  # the job must not look COMPLETED
+        return exit_code(run_worker(cfg, ctx, run_dir, stop, limit), env, leader)
     except Exception as err:  # the launcher shows a log's last lines: make the cause the last one
         traceback.print_exc()
         get_logger("worker").error("failed: %s", err, exc_info=True)
         print(f"[{group.name} rank {env.rank}] FAILED: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
         return 1
     finally:
+        limit.close()
         ctx.destroy()
-    return 0
 
 
-def run_worker(cfg, ctx: DistContext, run_dir: Path, stop: StopFlag):  # -> Outcome
+def exit_code(outcome, env: JobEnvironment, leader: bool) -> int:  # outcome: Outcome
+    """0, or on the leader of a run that stopped early and was not requeued: under Slurm
+    EXIT_STOPPED_UNFINISHED (such a job must not look COMPLETED), under the local launcher
+    EXIT_AT_DEADLINE after a stop at the `--time-limit` deadline (how `verl-hpc train` learns
+    that the run is not finished)."""
+    if outcome.stopped_by is None:
+        return 0
+    get_logger("worker").info("stopped: %s", outcome.stopped_by)
+    if not leader or not outcome.wanted_requeue or outcome.requeued:
+        return 0
+    if env.scheduler == "slurm":
+        return EXIT_STOPPED_UNFINISHED
+    return EXIT_AT_DEADLINE if outcome.stop is not None and outcome.stop.path == "deadline" else 0
+
+
+def run_worker(cfg, ctx: DistContext, run_dir: Path, stop: StopFlag, limit: TimeLimit):  # -> Outcome
     """This process's part of the run: the one loop on the placement the plan gives it."""
     from verl_hpc.runtime.lifecycle import RunLifecycle
     from verl_hpc.runtime.placement import build_distributed
@@ -134,7 +154,7 @@ def run_worker(cfg, ctx: DistContext, run_dir: Path, stop: StopFlag):  # -> Outc
                                            placement.seat.is_leader, group)
         trainer = build_step(cfg, placement, on_stage=heartbeat.enter)
         ctx.barrier("start")
-        return RunLifecycle(cfg, run_dir, trainer, checkpointer, stop).run()
+        return RunLifecycle(cfg, run_dir, trainer, checkpointer, stop, limit).run()
     finally:
         heartbeat.close()
         placement.lifecycle.close()

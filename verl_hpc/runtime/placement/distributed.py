@@ -9,6 +9,7 @@ for both, and live here once.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from verl_hpc.runtime.build import DTYPES, Roles, load_causal_lm
 from verl_hpc.runtime.placement.collectives import GroupCollectives
 from verl_hpc.runtime.placement.one_process import LocalLifecycle, LocalStages, trainer_seat
 from verl_hpc.runtime.placement.remote import RoleClient
+from verl_hpc.runtime.process.deadline import Agreement, TimeBudget, agree_max
 from verl_hpc.runtime.process.dist import DistContext
 from verl_hpc.runtime.process.heartbeat import (
     PULSE_SECONDS,
@@ -31,7 +33,6 @@ from verl_hpc.runtime.process.heartbeat import (
     is_peer_lost,
     is_timeout,
 )
-from verl_hpc.runtime.process.signals import StopFlag
 from verl_hpc.runtime.state import resize
 from verl_hpc.runtime.step.counters import Timer
 from verl_hpc.runtime.step.stages import Seat
@@ -116,10 +117,13 @@ class DistributedLifecycle(LocalLifecycle):
         if self.seat.trains:  # serving ranks (ref, critic, reward groups) hold no engine
             super().resume_weights(version)
 
-    def agree(self, stop: StopFlag) -> tuple[int | None, bool]:
+    def agree(self, signum: int | None, budget: TimeBudget, abandoned: bool) -> Agreement:
         self.heartbeat.enter(f"step {self.trainer_step} agree")
-        signum = stop.agreed(self.ctx.process_group)
-        return signum, not signum and self.resize_agreed()
+        group = self.ctx.process_group
+        agreed = agree_max(signum, budget, abandoned,
+                           (lambda t: all_reduce_kept(t, dist.ReduceOp.MAX, group)) if self.seat.world > 1 else None)
+        stopping = agreed.signum or agreed.abandoned
+        return replace(agreed, resizing=not stopping and self.resize_agreed())
 
     def resize_agreed(self) -> bool:
         """Whether the leader saw a resize request (docs/elastic.md); not so near the end that a

@@ -24,7 +24,7 @@ from verl_hpc.roles.forward import batched_logprobs, to_device
 from verl_hpc.roles.reward import scored
 from verl_hpc.roles.rollout.replay import is_replay, write_record
 from verl_hpc.runtime.build import Roles
-from verl_hpc.runtime.process.signals import StopFlag
+from verl_hpc.runtime.process.deadline import Agreement, TimeBudget, agree_max
 from verl_hpc.runtime.step.baselines import add_greedy_baselines
 from verl_hpc.runtime.step.counters import Timer
 from verl_hpc.runtime.step.memory import MemoryWatch, apply_live, live_switches, observed_shape
@@ -235,8 +235,8 @@ class LocalLifecycle:
         if self.stages is not None and self.roles.engine is not None:  # DPO: no engine to feed
             self.stages.sync_weights(version, True, 0)
 
-    def agree(self, stop: StopFlag) -> tuple[int | None, bool]:
-        return stop.agreed(), False
+    def agree(self, signum: int | None, budget: TimeBudget, abandoned: bool) -> Agreement:
+        return agree_max(signum, budget, abandoned, None)
 
     def guard(self, step: int, fn: Callable[[], dict[str, float] | None]) -> dict[str, float] | None:
         return fn()

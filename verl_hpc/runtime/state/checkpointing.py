@@ -102,15 +102,20 @@ class RunCheckpointer:
         self.cfg, self.run_dir, self.manager = cfg, run_dir, manager
         self.world_sizes, self.is_leader, self.group = world_sizes, is_leader, group
         self.last_save = time.monotonic()
-        self.requested = False
+        self.requested = False   # a synchronous save at this boundary: a stop, a resize
+        self.ahead = False       # an asynchronous save at this boundary: the deadline is near
+        self.suppressed = False  # no save at this boundary: the step was abandoned (and requeued)
         self.save_seconds = 0.0
+        self.restore_seconds: float | None = None
 
     def due(self, step: int) -> bool:
         """Whether to save after `step`; every rank of the group gets the leader's answer."""
         ck = self.cfg.checkpoint
-        due = self.requested or step == self.cfg.trainer.total_steps
+        due = self.requested or self.ahead or step == self.cfg.trainer.total_steps
         due = due or bool(ck.interval_steps and step % ck.interval_steps == 0)
         due = due or bool(ck.interval_minutes and time.monotonic() - self.last_save >= 60 * ck.interval_minutes)
+        if self.suppressed:
+            due = self.requested = False
         if self.group is not None and dist.get_world_size(self.group) > 1:
             # `requested` rides along: it decides a blocking save, which every rank must agree on.
             flags = torch.tensor([int(due), int(self.requested)])
@@ -137,7 +142,7 @@ class RunCheckpointer:
                                  rank_files={"rng.json": run_state.dumps(run_state.rng_state()), **(rank_files or {})},
                                  shared_files={RUN_STATE_FILE: run_state.dumps(run)},
                                  block=block)
-        self.last_save, self.requested = time.monotonic(), False
+        self.last_save, self.requested, self.ahead = time.monotonic(), False, False
         self.save_seconds = time.perf_counter() - start
         log.info("checkpoint of step %d %s (%.3fs stall)", step, "written" if block else "started",
                  self.save_seconds)
@@ -170,7 +175,7 @@ class RunCheckpointer:
                 obj.load_state_dict(run[name])
         # The duration and a sub-second wall clock ride along: the preemption benchmark splits a
         # restart into start-up and restore with them (the log's own time field has 1 s steps).
-        seconds = time.perf_counter() - start
+        seconds = self.restore_seconds = time.perf_counter() - start
         log.info("resumed from %s at step %d in %.3fs (saved with %s, now %s)", path, run["step"], seconds,
                  recorded, self.world_sizes, extra={"fields": {"restore_s": round(seconds, 4),
                                                                "unix_time": round(time.time(), 3)}})

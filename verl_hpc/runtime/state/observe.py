@@ -13,7 +13,15 @@ from pathlib import Path
 
 from verl_hpc.config import RunConfig
 from verl_hpc.metrics import Emitter, MetricSinks, open_sinks, read_jsonl_metrics
-from verl_hpc.metrics.history import Attempt, RunSummary, lost_seconds, read_history, record_end, record_start
+from verl_hpc.metrics.history import (
+    Attempt,
+    RunSummary,
+    StopRecord,
+    lost_seconds,
+    read_history,
+    record_end,
+    record_start,
+)
 from verl_hpc.runtime.process.env import JobEnvironment
 
 
@@ -33,15 +41,16 @@ class RunObserver:
         base = self.run_dir / "tensorboard"
         return base if role == "trainer" else base / f"{role}_rank{rank}"
 
-    def open(self, resumed_at: int) -> MetricSinks | None:
-        """Record the attempt (trainer), then open the sinks; steps after `resumed_at` are rewritten."""
+    def open(self, resumed_at: int, end_time: float | None = None) -> MetricSinks | None:
+        """Record the attempt (trainer) and its end time, if known, then open the sinks; steps after
+        `resumed_at` are rewritten."""
         if self.speaker is None:
             return None
         role, rank, group_index = self.speaker
         env = JobEnvironment.from_env()
         summary = None
         if role == "trainer":
-            self.attempt = self._start_attempt(resumed_at, env)
+            self.attempt = self._start_attempt(resumed_at, env, end_time)
             summary = RunSummary.of(read_history(self.run_dir))
         emitter = Emitter(self.run_dir, self.cfg.trainer.run_name or self.run_dir.name, role, rank,
                           env.job_id or "local")
@@ -53,14 +62,15 @@ class RunObserver:
         self.sinks = open_sinks(logging_cfg, emitter, self.log_dir(), purge_step=resumed_at + 1, summary=summary)
         return self.sinks
 
-    def _start_attempt(self, resumed_at: int, env: JobEnvironment) -> Attempt:
+    def _start_attempt(self, resumed_at: int, env: JobEnvironment, end_time: float | None) -> Attempt:
         metrics = self.run_dir / "tensorboard" / "metrics.jsonl"
         rows = read_jsonl_metrics(metrics) if metrics.exists() and resumed_at else []
         lost = lost_seconds(rows, resumed_at, time.time()) if read_history(self.run_dir) else 0.0
-        return record_start(self.run_dir, resumed_at, env.job_id or "local", env.restart_count, lost)
+        return record_start(self.run_dir, resumed_at, env.job_id or "local", env.restart_count, lost, end_time)
 
-    def close(self, last_step: int, reason: str) -> None:
+    def close(self, last_step: int, reason: str, stop: StopRecord | None = None) -> None:
+        """`stop`: which path ended the attempt early and how much time was left (None: it did not stop early)."""
         if self.sinks is not None:
             self.sinks.close()
         if self.attempt is not None:
-            record_end(self.run_dir, self.attempt, last_step, reason)
+            record_end(self.run_dir, self.attempt, last_step, reason, stop)

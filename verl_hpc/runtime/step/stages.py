@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from verl_hpc.config import RunConfig
     from verl_hpc.data.prompts import PromptSampler
     from verl_hpc.runtime.build import Roles
-    from verl_hpc.runtime.process.signals import StopFlag
+    from verl_hpc.runtime.process.deadline import Agreement, TimeBudget
 
 ADDED = ("advantages", "returns", "token_rewards", "ref_logprobs", "old_logprobs", "values")
 
@@ -208,8 +208,10 @@ class Lifecycle(Protocol):
         """After a restore: engines holding a copy get the restored weights once."""
         ...
 
-    def agree(self, stop: StopFlag) -> tuple[int | None, bool]:
-        """(the stop signal every trainer rank acts on, whether a resize was requested)."""
+    def agree(self, signum: int | None, budget: TimeBudget, abandoned: bool) -> Agreement:
+        """What every trainer rank acts on at this boundary, from each rank's proposal: its stop
+        signal, its time budget, whether its watchdog abandoned the step; and whether a resize
+        was requested. The same answer on every trainer rank (runtime/process/deadline.py)."""
         ...
 
     def guard(self, step: int, fn: Callable[[], dict[str, float] | None]) -> dict[str, float] | None:
