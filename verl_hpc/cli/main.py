@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import signal
 import sys
 from collections.abc import Sequence
@@ -18,6 +17,7 @@ from verl_hpc.cli.elastic_cmds import ELASTIC_PARSERS
 from verl_hpc.cli.report_cmds import REPORT_PARSERS
 from verl_hpc.cli.slurm_cmds import SLURM_PARSERS
 from verl_hpc.config import ConfigError
+from verl_hpc.utils.invocation import command_line
 from verl_hpc.utils.version import VERSION as __version__
 
 EXIT_CONFIG_ERROR = 2
@@ -40,6 +40,8 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                    "runs/<config file name without .yaml>); an interrupted run resumes there")
     p.add_argument("--allow-config-change", action="store_true",
                    help="continue a run dir under a changed config (recorded in its config_history.yaml)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print what would run (this process, or each worker with its variables); start nothing")
     p.set_defaults(func=_cmd_train)
 
 
@@ -67,18 +69,22 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from verl_hpc.checkpoint.layout import CheckpointError
     from verl_hpc.config import load_config
     from verl_hpc.config.machine import check_machine
+    from verl_hpc.launch.executor import LocalExecutor
     from verl_hpc.launch.local import WorkerFailure
-    from verl_hpc.launch.train import train
-    from verl_hpc.runtime.state.run_dir import ALLOW_ENV, named_run_dir
+    from verl_hpc.runtime.state.run_dir import ALLOW_ENV
 
     cfg = load_config(args.config, args.overrides)
     check_machine(cfg)  # before the run dir exists: a mismatch must not leave one behind
-    run_dir = args.run_dir or str(named_run_dir(cfg, args.config))
+    executor = LocalExecutor()
+    run_dir = args.run_dir or str(executor.run_dir_for(cfg, None, args.config))
+    if args.dry_run:
+        print(executor.render(cfg, run_dir), end="")
+        return 0
     if args.allow_config_change:
         os.environ[ALLOW_ENV] = "1"
-    again = shlex.join(["verl-hpc", "train", args.config, *args.overrides, "--run-dir", run_dir])
+    again = command_line("train", args.config, *args.overrides, "--run-dir", run_dir)
     try:
-        result = train(cfg, run_dir=run_dir)
+        result = executor.submit(cfg, run_dir).result()
     except (WorkerFailure, CheckpointError) as failure:  # a checkpoint write failed: disk full, I/O error
         # A leading newline: torch's writer threads may still be printing their own traceback,
         # and our one line must start a line of its own.
@@ -86,21 +92,25 @@ def _cmd_train(args: argparse.Namespace) -> int:
         print(f"\nverl-hpc: error: {failure}", file=sys.stderr, flush=True)
         print(f"verl-hpc: {run_dir} is kept; once fixed, continue with: {again}", file=sys.stderr, flush=True)
         return 1
-    score_key = "critic/score/mean" if "critic/score/mean" in result.last_metrics else "dpo/reward_accuracy"
-    score = result.last_metrics.get(score_key)
     print(f"run directory: {result.run_dir}")
     if result.stopped_by is not None:
         print(f"stopped by {result.stopped_by} after step {result.steps}; the checkpoint is saved. "
               f"To resume: {again}")
         return 128 + getattr(signal.Signals, result.stopped_by, signal.SIGTERM).value
-    print(f"steps: {result.steps}   final {score_key}: {score:.4f}" if score is not None else "")
-    for key, value in sorted(result.last_metrics.items()):
-        if key.startswith("val-core/"):
-            print(f"validation:    {key} {value:.4f}")
+    print(_summary(result.steps, result.last_metrics))
     print(f"tensorboard:   tensorboard --logdir {result.run_dir / 'tensorboard'}")
     if result.hf_model_dir is not None:
         print(f"trained model: {result.hf_model_dir}")
     return 0
+
+
+def _summary(steps: int, metrics: dict[str, float]) -> str:
+    """`steps: N   final <score>: x` and one line per validation metric (the score only when logged)."""
+    score_key = "critic/score/mean" if "critic/score/mean" in metrics else "dpo/reward_accuracy"
+    lines = [f"steps: {steps}" + (f"   final {score_key}: {metrics[score_key]:.4f}" if score_key in metrics else "")]
+    lines += [f"validation:    {key} {value:.4f}" for key, value in sorted(metrics.items())
+              if key.startswith("val-core/")]
+    return "\n".join(lines)
 
 
 def _cmd_config_show(args: argparse.Namespace) -> int:

@@ -14,10 +14,11 @@ from typing import Any
 
 from verl_hpc.config import ConfigError, RunConfig, dump_config
 from verl_hpc.config.placement import plan_for_config
+from verl_hpc.launch.run_files import recorded_launcher
 from verl_hpc.runtime.build import ensure_model, prompt_files
 from verl_hpc.runtime.lifecycle import TrainResult
 from verl_hpc.runtime.state import resize
-from verl_hpc.runtime.state.run_dir import prepare_run_dir
+from verl_hpc.runtime.state.run_dir import finished_step, prepare_run_dir
 from verl_hpc.utils.logging import get_logger
 
 log = get_logger("launch")
@@ -61,7 +62,10 @@ def prepare_run(cfg: RunConfig, run_dir: str | Path | None) -> Path:
 def train(cfg: RunConfig, run_dir: str | Path | None = None, *, actor_model: Any = None,
           reward_model: Any = None) -> TrainResult:
     """Run `cfg` here: in this process when its plan has one process (objects pass through as
-    they are), else as one worker process per slot of the plan (only the config reaches them)."""
+    they are), else as one worker process per slot of the plan (only the config reaches them).
+
+    A run directory whose run already finished under this config's `trainer.total_steps`
+    (only operational fields changed) is left as it is: nothing is loaded or trained."""
     from verl_hpc.config.machine import check_machine
 
     check_local(cfg)
@@ -70,34 +74,59 @@ def train(cfg: RunConfig, run_dir: str | Path | None = None, *, actor_model: Any
         from verl_hpc.runtime.embedded import train_in_process
 
         path = prepare_run_dir(run_dir or cfg.run_dir, cfg)
-        return train_in_process(cfg, path, actor_model, reward_model)
+        if finished_step(path, cfg.trainer.total_steps) is not None:
+            (path / "config.yaml").write_text(dump_config(cfg))  # the recorded change takes effect
+            return finished_result(path)
+        with recorded_launcher(path, sys.orig_argv):
+            return train_in_process(cfg, path, actor_model, reward_model)
     if actor_model is not None or reward_model is not None:
         raise ConfigError("resources", "model or reward objects cannot reach the worker processes this "
                           "placement starts", "pass paths / module:function names in the config instead")
     return launch_local(cfg, run_dir)
 
 
-def launch_local(cfg: RunConfig, run_dir: str | Path | None) -> TrainResult:
-    from verl_hpc.launch.local import LocalLauncher
+def finished_result(path: Path) -> TrainResult:
+    """What a finished run left: its last step's metrics and its exported model, if any."""
+    step = finished_step(path)
+    log.warning("%s finished at step %s: nothing to train (raise trainer.total_steps with "
+                "--allow-config-change to train it further)", path, step)
+    return read_result(path, None)
+
+
+def read_result(path: Path, stopped_by: str | None) -> TrainResult:
+    """The result of the run in `path` from its files: the last metrics row, `hf_model/` unless stopped."""
     from verl_hpc.metrics import read_jsonl_metrics
 
+    metrics_file = path / "tensorboard" / "metrics.jsonl"
+    rows = read_jsonl_metrics(metrics_file) if metrics_file.exists() else []
+    hf_dir = path / "hf_model"
+    return TrainResult(path, rows[-1]["step"] if rows else 0, hf_dir if hf_dir.exists() and not stopped_by else None,
+                       rows[-1] if rows else {}, stopped_by)
+
+
+def launch_local(cfg: RunConfig, run_dir: str | Path | None) -> TrainResult:
     path = prepare_run(cfg, run_dir)
+    if finished_step(path, cfg.trainer.total_steps) is not None:
+        return finished_result(path)
     if resize.history(path):
         log.warning("%s was resized before (%s); this launch uses the resources of the config given now",
                     path, path / resize.HISTORY_FILE)
+    with recorded_launcher(path, sys.orig_argv):
+        code = _supervise(cfg, path)
+    if resize.pending(path):
+        log.warning("a resize request in %s was not applied: the run ended first", path / resize.REQUEST_FILE)
+    return read_result(path, signal.Signals(code - 128).name if code > 128 else None)
+
+
+def _supervise(cfg: RunConfig, path: Path) -> int:
+    """Run the world with `LocalLauncher` until it ends, restarting it on the new plan after each resize."""
+    from verl_hpc.launch.local import LocalLauncher
+
     while True:
         launcher = LocalLauncher(plan_for_config(cfg), path, [sys.executable, "-m", "verl_hpc.runtime.worker"],
                                  grace_seconds=min(10.0, cfg.resources.timeout_seconds))
         code = launcher.run()  # 128+signal when Ctrl-C/SIGTERM stopped it (workers saved first)
         if code != 0 or resize.accepted(path) is None:
-            break
+            return code
         cfg = resize.apply_accepted(path)  # the workers stopped for a resize: restart on the new plan
         check_local(cfg)
-    if resize.pending(path):
-        log.warning("a resize request in %s was not applied: the run ended first", path / resize.REQUEST_FILE)
-    metrics_file = path / "tensorboard" / "metrics.jsonl"
-    rows = read_jsonl_metrics(metrics_file) if metrics_file.exists() else []
-    hf_dir = path / "hf_model"
-    stopped_by = signal.Signals(code - 128).name if code > 128 else None
-    return TrainResult(path, rows[-1]["step"] if rows else 0, hf_dir if hf_dir.exists() and not stopped_by else None,
-                       rows[-1] if rows else {}, stopped_by)
