@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import sys
 import time
@@ -25,6 +26,7 @@ from verl_hpc.launch.executor import LocalExecutor, SlurmExecutor, render_local
 from verl_hpc.launch.handle import RunHandle
 from verl_hpc.launch.run_files import RunError
 from verl_hpc.launch.sbatch import render_sbatch
+from verl_hpc.runtime.state.run_dir import ALLOW_ENV
 
 QUICKSTART = REPO / "configs" / "quickstart.yaml"
 SMALL = ["trainer.batch_size=16", "algorithm.sampling.max_new_tokens=2", "logging.progress=lines"]
@@ -95,7 +97,8 @@ def test_attaching_to_nothing_is_one_line(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_a_foreground_run_its_handle_and_a_rerun_of_the_finished_run(tmp_path: Path, tiny_model_dir: Path) -> None:
+def test_a_foreground_run_its_handle_and_a_rerun_of_the_finished_run(tmp_path: Path, tiny_model_dir: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     run_dir = tmp_path / "run"
     overrides = [f"model.path={tiny_model_dir}", *SMALL, "trainer.total_steps=2", "trainer.save_hf_model=false"]
     handle = LocalExecutor().submit(QUICKSTART, run_dir, overrides)
@@ -124,6 +127,15 @@ def test_a_foreground_run_its_handle_and_a_rerun_of_the_finished_run(tmp_path: P
     proc = run_cli("train", str(QUICKSTART), "--run-dir", str(run_dir), *overrides, "logging.log_every=2")
     assert proc.returncode == 2 and "already holds a run that finished at step 2" in proc.stderr, proc.stderr[-2000:]
     assert "final score nan" not in proc.stderr + proc.stdout
+
+    # Trained further, the resumed run says what is left, in words.
+    monkeypatch.setenv(ALLOW_ENV, "1")
+    more = LocalExecutor().submit(QUICKSTART, run_dir, [*overrides, "logging.log_every=2", "trainer.total_steps=3"])
+    assert more.result().steps == 3
+    messages = [json.loads(line)["msg"] for line in (run_dir / "logs" / "trainer_rank0.log").read_text().splitlines()]
+    assert f"training grpo for 1 more step (3-3 of 3) in {run_dir}" in messages
+    resumed = [m for m in messages if m.startswith("resumed from")]
+    assert resumed and resumed[-1].endswith("(saved by 1 trainer process)") and "{" not in resumed[-1], resumed
 
 
 def _path_without_this_venv() -> str:

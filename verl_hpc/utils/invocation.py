@@ -17,6 +17,7 @@ from pathlib import Path
 
 SCRIPT = "verl-hpc"
 MODULES = ("verl_hpc", "verl_hpc.cli.main", "verl_hpc.__main__")
+VALUED_OPTIONS = ("-X", "-W", "--check-hash-based-pycs")  # interpreter options that take the next word
 
 
 def cli_command(orig_argv: Sequence[str] | None = None,
@@ -28,13 +29,13 @@ def cli_command(orig_argv: Sequence[str] | None = None,
     as the shell found it: as typed, or its full path when PATH found it).
     """
     args = list(sys.orig_argv if orig_argv is None else orig_argv)
-    for index, arg in enumerate(args[1:], start=1):
-        if arg == "-m" and index + 1 < len(args):
-            if args[index + 1] in MODULES:
+    index = 1
+    while index < len(args) and args[index].startswith("-"):  # the interpreter's own options
+        if args[index] == "-m":
+            if index + 1 < len(args) and args[index + 1] in MODULES:
                 return _shortest([args[0], "-m", "verl_hpc"], which, None)
             break
-        if not arg.startswith("-"):
-            break  # the script (or -c): interpreter options end here
+        index += 2 if args[index] in VALUED_OPTIONS else 1
     script = next((a for a in args[:2] if Path(a).name == SCRIPT), None)
     if script is None:
         return [SCRIPT]  # not started as the CLI (a test calling main(), a notebook): the documented name
