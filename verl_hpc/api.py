@@ -2,7 +2,8 @@
 
 Why a facade apart from the loop: an executor (`verl_hpc.launch.executor`) runs whatever
 placement a config asks for: `LocalExecutor` in this process when the plan has one process
-and in worker processes otherwise, `SlurmExecutor` as one Slurm job. Workers are fresh interpreters that read only the run's
+and in worker processes otherwise, `SlurmExecutor` as one Slurm job. Workers are fresh
+interpreters that read only the run's
 config, so this class turns what a user hands it into config first: a `ResourceConfig`
 or a dict becomes a full `RunConfig` (the quickstart fills the sections it lacks), a
 model object is saved under `<run_dir>/init_model`, and a reward function becomes a
