@@ -3,12 +3,11 @@
 Why a facade apart from the loop: an executor (`verl_hpc.launch.executor`) runs whatever
 placement a config asks for: `LocalExecutor` in this process when the plan has one process
 and in worker processes otherwise, `SlurmExecutor` as one Slurm job. Workers are fresh
-interpreters that read only the run's
-config, so this class turns what a user hands it into config first: a `ResourceConfig`
-or a dict becomes a full `RunConfig` (the quickstart fills the sections it lacks), a
-model object is saved under `<run_dir>/init_model`, and a reward function becomes a
-`reward.function` the workers can import. In one process the objects pass through as
-they are (the trained module is the user's own object).
+interpreters that read only the run's config, so this class turns what a user hands it
+into config first: a `ResourceConfig` or a dict becomes a full `RunConfig` (the quickstart
+fills the sections it lacks), a model object is saved under `<run_dir>/init_model`, and a
+reward function becomes a `reward.function` the workers can import. In one process the
+objects pass through as they are (the trained module is the user's own object).
 """
 
 from __future__ import annotations

@@ -25,7 +25,8 @@ def _load(path: Path):
     return module
 
 
-SMOKE = ["trainer.total_steps=2", "trainer.batch_size=4", "algorithm.sampling.n=2"]  # 2 prompts x 2 samples
+SMOKE = ["trainer.total_steps=2", "trainer.batch_size=4", "algorithm.sampling.n=2",  # 2 prompts x 2 samples
+         "trainer.val_before_train=false"]
 VLLM_ROLLOUT = ("resources.rollout={device_type: cpu, device_ids: [0], strategy: vllm, "
                 "vllm_args: {dtype: float32, enforce_eager: true, kv_cache_space_gb: 1}}")
 
