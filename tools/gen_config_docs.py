@@ -93,8 +93,6 @@ DESCRIPTIONS: dict[str, str] = {
     "algorithm.sampling.max_new_tokens": "response length cap in tokens (hits count in `response_length/clip_ratio`)",
     "algorithm.sampling.stop": "stop strings: a response ends after the first one it produces",
     "algorithm.kl": "KL penalty to the frozen reference policy",
-    "algorithm.kl.estimator": "per-token KL estimator: `k1` log-ratio, `k2` squared, `k3` low-variance; "
-                              "`off` = no ref model",
     "algorithm.kl.coef": "weight of the KL penalty; 0 also skips the ref model",
     "algorithm.kl.in_reward": "PPO: subtract coef × KL from the token rewards instead of adding it to the "
                               "actor loss (GRPO then applies no KL at all)",
@@ -105,8 +103,6 @@ DESCRIPTIONS: dict[str, str] = {
     "algorithm.gamma": "PPO: per-token discount in GAE",
     "algorithm.lam": "PPO: GAE λ, bias (0) versus variance (1 = Monte Carlo returns)",
     "algorithm.norm_adv_by_std": "GRPO: divide advantages by the group's std; false = subtract the mean only",
-    "algorithm.loss_agg_mode": "how token losses reduce: mean over all tokens, or per sequence "
-                               "(mean or sum) then mean over sequences",
     "algorithm.ppo_epochs": "passes over each step's batch (each pass shuffles and cuts mini-batches)",
     "algorithm.mini_batch_size": "sequences per optimizer step; null = the whole `trainer.batch_size`",
     "algorithm.micro_batch_size": "sequences per forward/backward (gradient accumulation); null = a mini-batch",

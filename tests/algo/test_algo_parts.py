@@ -33,12 +33,12 @@ def test_rloo_is_the_reward_minus_the_mean_of_the_others() -> None:
 
     group 7: R = 1.0, 0.0, 0.5  -> 1 - (0 + .5)/2 = .75;  0 - (1 + .5)/2 = -.75;  .5 - (1 + 0)/2 = 0
     group 2: R = 0.2, 0.6       -> .2 - .6 = -.4;  .6 - .2 = .4
-    group 5: R = 0.9 (alone)    -> 0 (no other sample to compare with)
+    group 5: R = 0.9 (alone)    -> .9 (no other sample to compare with: baseline 0, as verl's rloo)
     """
     inputs = _inputs([[0.5, 0.0, 0.5], [0.2, G, G], [0.0, 0.0, G], [0.3, 0.3, G], [0.25, 0.25, 0.0], [0.9, G, G]],
                      lengths=[3, 1, 2, 2, 3, 1], groups=[7, 2, 7, 2, 7, 5])
     adv, returns = get_estimator("rloo").compute(inputs)
-    expected = torch.tensor([[.75, .75, .75], [-.4, 0, 0], [-.75, -.75, 0], [.4, .4, 0], [0, 0, 0], [0, 0, 0]])
+    expected = torch.tensor([[.75, .75, .75], [-.4, 0, 0], [-.75, -.75, 0], [.4, .4, 0], [0, 0, 0], [.9, 0, 0]])
     assert torch.allclose(adv.float(), expected, atol=1e-6) and torch.equal(adv, returns)
     spec = get_estimator("rloo")
     assert (spec.whole_groups, spec.min_group_size, spec.token_rewards, spec.needs_critic) == (True, 2, True, False)
@@ -111,15 +111,15 @@ def test_dr_grpo_normalises_by_a_constant_unlike_the_other_modes() -> None:
     """Token losses 1 2 3 | 4 (1 token) | an empty row; max response length 4.
 
     token-mean: 10 / 4 = 2.5.  seq-mean-token-mean: (2 + 4) / 2 = 3 (the empty row left out).
-    seq-mean-token-sum: (6 + 4) / 2 = 5.  seq-mean-token-sum-norm: (6/4 + 4/4 + 0/4) / 3 = 5/6: every
-    row counts and no row is up- or down-weighted by its own length.
+    seq-mean-token-sum: (6 + 4) / 2 = 5.  seq-mean-token-sum-norm: (6/4 + 4/4) / 2 = 5/4: the empty row
+    left out (as verl 0.9.1) and no row up- or down-weighted by its own length.
     """
     loss = torch.tensor([[1.0, 2, 3], [4, G, G], [7, 7, 7]])
     mask = torch.tensor([[1.0, 1, 1], [1, 0, 0], [0, 0, 0]])
     got = {mode: float(aggregate_loss(loss, mask, mode, 4)) for mode in
            ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")}
     assert got == pytest.approx({"token-mean": 2.5, "seq-mean-token-mean": 3.0, "seq-mean-token-sum": 5.0,
-                                 "seq-mean-token-sum-norm": 5 / 6}, abs=1e-6)
+                                 "seq-mean-token-sum-norm": 5 / 4}, abs=1e-6)
     with pytest.raises(ValueError, match="norm_length"):
         aggregate_loss(loss, mask, "seq-mean-token-sum-norm")
 

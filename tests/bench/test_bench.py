@@ -21,8 +21,20 @@ from bench.__main__ import BENCHMARKS
 REPO = Path(__file__).resolve().parents[2]
 
 
+def build_smollm2() -> Path:
+    """tools/make_smollm2.py's model (built once, then reused): the memory benchmark measures it."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_smollm2", REPO / "tools" / "make_smollm2.py")
+    maker = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(maker)  # type: ignore[union-attr]
+    return Path(maker.build())
+
+
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess, Path]:
+    """One `bench all --quick` for every test here: the memory benchmark's two SmolLM2 runs included."""
+    build_smollm2()
     out = tmp_path_factory.mktemp("bench_results")
     scratch = tmp_path_factory.mktemp("bench_scratch")
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
@@ -111,17 +123,13 @@ def test_model_state_bound_counts_five_fp32_copies(tiny_model_dir: Path) -> None
 
 
 @pytest.mark.slow
-def test_step_memory_measures_whole_smollm2_steps(tmp_path: Path) -> None:
-    """`bench memory --quick`: two real `verl-hpc train` runs of SmolLM2, their peaks read back."""
-    import importlib.util
-
+def test_step_memory_measures_whole_smollm2_steps(quick_run: tuple[subprocess.CompletedProcess, Path]) -> None:
+    """`bench memory --quick` (in `bench all --quick`): two real `verl-hpc train` runs of SmolLM2, their peaks read back."""
     import bench.memory as step_memory
 
-    spec = importlib.util.spec_from_file_location("make_smollm2", REPO / "tools" / "make_smollm2.py")
-    maker = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    spec.loader.exec_module(maker)  # type: ignore[union-attr]
-    assert Path(maker.build()) == step_memory.SMOLLM2
-    result = step_memory.run(quick=True, scratch=str(tmp_path))
+    assert build_smollm2() == step_memory.SMOLLM2
+    _, out = quick_run
+    result = json.loads((out / "memory-quick.json").read_text())
     weights = step_memory.model_state_bytes(step_memory.SMOLLM2) / 5
     for name in ("plain", "all"):
         variant = result["variants"][name]

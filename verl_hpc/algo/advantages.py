@@ -54,7 +54,8 @@ def grpo_advantages(
 
     Returns:
         ``(advantages, returns)``, both ``[B, R]`` and identical: GRPO has no critic, so the
-        return target is the advantage itself. A group of size 1 gets advantage 0.
+        return target is the advantage itself. A group of size 1 has mean 0 and std 1, as in
+        verl's `grpo` (and `grpo_vectorized`): its advantage is score / (1 + eps).
     """
     if scores.dim() != 1 or group_ids.shape != scores.shape:
         raise ValueError("scores and group_ids must both be 1-D tensors of the same length")
@@ -68,12 +69,14 @@ def grpo_advantages(
     counts = torch.zeros(num_groups, dtype=dtype, device=values.device)
     counts.index_add_(0, inverse, torch.ones_like(values))
     sums = torch.zeros_like(counts).index_add_(0, inverse, values)
-    means = sums / counts
+    is_single = counts <= 1
+    # A lone sample has no group to compare with: mean 0 and std 1 (verl's `grpo`), so its
+    # advantage is its own score.
+    means = torch.where(is_single, torch.zeros_like(sums), sums / counts)
     centered = values - means[inverse]
     advantages = centered
     if norm_by_std:
         sq_sums = torch.zeros_like(counts).index_add_(0, inverse, centered**2)
-        is_single = counts <= 1
         variances = sq_sums / torch.where(is_single, torch.ones_like(counts), counts - 1)
         stds = torch.where(is_single, torch.ones_like(counts), variances.sqrt())
         advantages = centered / (stds[inverse] + eps)

@@ -13,6 +13,10 @@ Why these defaults:
   hence the clamp.
 * **Asymmetric clipping** (``clip_low`` / ``clip_high``) lets low-probability tokens grow
   more than they may shrink ("clip-higher"), which counters entropy collapse.
+* **Dual clip** (Ye et al., 2020, arXiv:1912.09729; verl's ``clip_ratio_c``, default 3): the
+  pessimistic PPO loss of a token with a negative advantage grows without bound with its
+  ratio; capping it at ``-A * clip_ratio_c`` keeps one stale, very off-policy token from
+  dominating the step.
 * Log-ratios are clamped to ``[-20, 20]`` before ``exp`` so garbage or extreme values can
   never produce ``inf`` (and ``0 * inf = NaN`` gradients). Within that range results are exact.
 
@@ -31,6 +35,7 @@ __all__ = [
     "AGG_MODES",
     "KL_KINDS",
     "aggregate_loss",
+    "counted_rows",
     "policy_loss",
     "kl_penalty",
     "entropy_from_logits",
@@ -38,31 +43,41 @@ __all__ = [
     "value_loss",
 ]
 
-AGG_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-KL_KINDS: tuple[str, ...] = ("k1", "k2", "k3")
+AGG_MODES: tuple[str, ...] = ("token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum",
+                               "seq-mean-token-sum-norm")
+# verl's names: kl = k1, mse = k2, low_var_kl = k3; a trailing "+" keeps the value and takes k2's gradient.
+_KL_BASE: dict[str, str] = {"k1": "k1", "kl": "k1", "abs": "abs", "k2": "k2", "mse": "k2", "k3": "k3",
+                            "low_var_kl": "k3"}
+KL_KINDS: tuple[str, ...] = (*_KL_BASE, *(f"{name}+" for name in _KL_BASE))
 _LOG_RATIO_LIMIT = 20.0
 _K3_LIMIT = 10.0
 
 
+def counted_rows(mask: Tensor) -> Tensor:
+    """Rows with at least one valid token: the rows a `seq-mean-*` mode averages over (as verl)."""
+    return (mask != 0).any(dim=-1)
+
+
 def aggregate_loss(loss_mat: Tensor, mask: Tensor, mode: str, norm_length: float | None = None) -> Tensor:
-    """Reduce a ``[B, R]`` per-token loss to a scalar over the valid tokens.
+    """Reduce a ``[B, R]`` per-token loss to a scalar over the valid tokens (verl's `agg_loss`).
 
     Modes:
         ``token-mean``: sum over all valid tokens / number of valid tokens.
+        ``token-sum``: sum over all valid tokens (the step grows with the batch's tokens).
         ``seq-mean-token-mean``: mean over the valid tokens of each sequence, then mean
         over sequences.
         ``seq-mean-token-sum``: sum over the valid tokens of each sequence, then mean over
         sequences.
-        ``seq-mean-token-sum-norm`` (Dr. GRPO, arXiv:2503.20783): sum over the valid tokens of
-        each sequence divided by the constant ``norm_length`` (the response length cap,
-        ``algorithm.sampling.max_new_tokens``), then mean over *all* sequences. The divisor
-        is the same for every sequence and every step, so no response is up- or
-        down-weighted by its length, and because every row counts, a micro-batch's share
-        of the mean is exactly its share of the rows (``roles.actor.micro_weight``).
+        ``seq-mean-token-sum-norm`` (Dr. GRPO, arXiv:2503.20783): ``seq-mean-token-sum``
+        divided by the constant ``norm_length`` (the response length cap,
+        ``algorithm.sampling.max_new_tokens``; verl's default `loss_scale_factor`, the padded
+        response width). The divisor is the same for every sequence and every step, so no
+        response is up- or down-weighted by its length.
 
-    For ``seq-mean-token-mean`` and ``seq-mean-token-sum``, sequences without any valid
-    token are left out of the outer mean, so an empty row does not dilute the loss. An
-    all-masked input gives 0.
+    In every ``seq-mean-*`` mode a sequence without any valid token is left out of the
+    mean (verl 0.9.1 does the same), so an empty row does not dilute the loss; a
+    micro-batch's share of the mean is its share of such counted rows
+    (``roles.actor.micro_weight``). An all-masked input gives 0.
     """
     if mode not in AGG_MODES:
         raise ValueError(f"unknown agg_mode {mode!r}; valid modes are {', '.join(AGG_MODES)}")
@@ -70,16 +85,18 @@ def aggregate_loss(loss_mat: Tensor, mask: Tensor, mode: str, norm_length: float
         raise ValueError("loss_mat and mask must both be [B, R]")
     if mode == "token-mean":
         return masked_mean(loss_mat, mask)
-    if mode == "seq-mean-token-sum-norm":
-        if norm_length is None or norm_length <= 0:
-            raise ValueError("seq-mean-token-sum-norm needs norm_length > 0 (the max response length)")
-        return masked_sum(loss_mat, mask, dim=-1).mean() / norm_length
+    if mode == "token-sum":
+        return masked_sum(loss_mat, mask)
     if mode == "seq-mean-token-mean":
         per_seq = masked_mean(loss_mat, mask, dim=-1)
     else:
         per_seq = masked_sum(loss_mat, mask, dim=-1)
-    seq_has_tokens = (mask != 0).any(dim=-1)
-    return masked_mean(per_seq, seq_has_tokens)
+    loss = masked_mean(per_seq, counted_rows(mask))
+    if mode == "seq-mean-token-sum-norm":
+        if norm_length is None or norm_length <= 0:
+            raise ValueError("seq-mean-token-sum-norm needs norm_length > 0 (the max response length)")
+        loss = loss / norm_length
+    return loss
 
 
 def _clamped_log_ratio(logp: Tensor, base_logp: Tensor) -> Tensor:
@@ -96,27 +113,37 @@ def policy_loss(
     clip_high: float = 0.2,
     agg_mode: str = "token-mean",
     norm_length: float | None = None,
+    clip_ratio_c: float = 3.0,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """PPO clipped surrogate loss (``norm_length``: see `aggregate_loss`).
+    """Dual-clip PPO surrogate loss, verl's `vanilla` (``norm_length``: see `aggregate_loss`).
 
-    Per token: ``max(-A * r, -A * clip(r, 1 - clip_low, 1 + clip_high))`` with
-    ``r = exp(logprobs - old_logprobs)``, aggregated with ``agg_mode``.
+    Per token: ``l = max(-A * r, -A * clip(r, 1 - clip_low, 1 + clip_high))`` with
+    ``r = exp(logprobs - old_logprobs)``; where ``A < 0`` it is further capped,
+    ``min(l, -A * clip_ratio_c)``; then aggregated with ``agg_mode``.
 
     Returns:
         ``(loss, stats)``; ``stats`` holds detached scalars ``clipfrac`` (fraction of valid
-        tokens where the clipped term is strictly larger, i.e. active and gradient-free) and
+        tokens where the clipped term is strictly larger, i.e. active and gradient-free),
+        ``clipfrac_lower`` (tokens with ``A < 0`` whose loss the dual clip capped) and
         ``approx_kl`` (mean of ``old_logprobs - logprobs`` over valid tokens).
     """
+    if clip_ratio_c <= 1.0:
+        raise ValueError(f"clip_ratio_c must be > 1 (the dual clip's ratio bound), got {clip_ratio_c}")
     log_ratio = _clamped_log_ratio(logprobs, old_logprobs)
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
-    per_token = torch.maximum(unclipped, clipped)
+    pessimistic = torch.maximum(unclipped, clipped)
+    capped = torch.minimum(pessimistic, -advantages * clip_ratio_c)
+    negative = advantages < 0
+    per_token = torch.where(negative, capped, pessimistic)
     loss = aggregate_loss(per_token, mask, agg_mode, norm_length)
     with torch.no_grad():
-        clip_active = (clipped > unclipped).to(per_token.dtype)
+        dtype = per_token.dtype
         stats = {
-            "clipfrac": masked_mean(clip_active, mask).detach(),
+            "clipfrac": masked_mean((clipped > unclipped).to(dtype), mask).detach(),
+            "clipfrac_lower": masked_mean((negative & (pessimistic > -advantages * clip_ratio_c)).to(dtype),
+                                          mask).detach(),
             "approx_kl": masked_mean(-log_ratio, mask).detach(),
         }
     return loss, stats
@@ -125,21 +152,33 @@ def policy_loss(
 def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, kind: str) -> Tensor:
     """Per-token estimate of KL(pi || ref) from sampled-token log-probabilities.
 
-    ``k1``: ``logp - ref`` (unbiased, high variance, can be negative).
-    ``k2``: ``0.5 * (logp - ref)^2`` (biased, low variance; its gradient matches the KL's).
-    ``k3``: ``exp(ref - logp) - (ref - logp) - 1`` clamped to ``[-10, 10]`` (unbiased,
-    non-negative, low variance).
+    ``k1`` (verl: ``kl``): ``logp - ref`` (unbiased, high variance, can be negative).
+    ``abs``: ``|logp - ref|``.
+    ``k2`` (``mse``): ``0.5 * (logp - ref)^2`` (biased, low variance; its gradient matches the KL's).
+    ``k3`` (``low_var_kl``): ``exp(ref - logp) - (ref - logp) - 1`` with the log-ratio clamped to
+    ``[-20, 20]`` and the result to ``[-10, 10]`` (unbiased, non-negative, low variance).
+    A trailing ``+`` (``k1+``, ``k3+``, ...; verl's straight-through form) keeps the value of
+    the named estimator but takes the gradient of ``k2``: k1's and k3's *values* are unbiased
+    for the KL, their *gradients* are not, k2's is.
     """
     if kind not in KL_KINDS:
         raise ValueError(f"unknown kl kind {kind!r}; valid kinds are {', '.join(KL_KINDS)}")
+    straight_through = kind.endswith("+")
+    base = _KL_BASE[kind.rstrip("+")]
     diff = logprobs - ref_logprobs
-    if kind == "k1":
-        return diff
-    if kind == "k2":
-        return 0.5 * diff.square()
-    ref_minus_logp = _clamped_log_ratio(ref_logprobs, logprobs)
-    k3 = torch.exp(ref_minus_logp) - ref_minus_logp - 1.0
-    return torch.clamp(k3, min=-_K3_LIMIT, max=_K3_LIMIT)
+    if base == "k1":
+        value = diff
+    elif base == "abs":
+        value = diff.abs()
+    elif base == "k2":
+        value = 0.5 * diff.square()
+    else:
+        ref_minus_logp = _clamped_log_ratio(ref_logprobs, logprobs)
+        value = torch.clamp(torch.exp(ref_minus_logp) - ref_minus_logp - 1.0, min=-_K3_LIMIT, max=_K3_LIMIT)
+    if not straight_through or base == "k2":
+        return value
+    k2 = 0.5 * diff.square()
+    return k2 - k2.detach() + value.detach()
 
 
 def entropy_from_logits(logits: Tensor) -> Tensor:

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 from collections.abc import Sequence
 
 from verl_hpc.cli.elastic_cmds import ELASTIC_PARSERS
 from verl_hpc.cli.report_cmds import REPORT_PARSERS
 from verl_hpc.cli.slurm_cmds import SLURM_PARSERS
+from verl_hpc.cli.verl_cmds import VERL_PARSERS
 from verl_hpc.config import ConfigError
 from verl_hpc.utils.invocation import command_line
 from verl_hpc.utils.version import VERSION as __version__
@@ -28,6 +28,7 @@ EPILOG = """examples:
   verl-hpc train configs/quickstart.yaml trainer.total_steps=50 --run-dir runs/short
   verl-hpc config show configs/quickstart.yaml           # the resolved, validated config
   verl-hpc ckpt list runs/quickstart
+  verl-hpc verl algorithm.adv_estimator=grpo data.train_files=train.parquet ...   # a verl command line
 
 Run `verl-hpc COMMAND --help` for a command's options; docs: README.md and docs/."""
 
@@ -66,11 +67,10 @@ def _add_init_model(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from verl_hpc.checkpoint.layout import CheckpointError
+    from verl_hpc.cli.run_report import train_and_report
     from verl_hpc.config import load_config
     from verl_hpc.config.machine import check_machine
     from verl_hpc.launch.executor import LocalExecutor
-    from verl_hpc.launch.local import WorkerFailure
     from verl_hpc.runtime.state.run_dir import ALLOW_ENV
 
     cfg = load_config(args.config, args.overrides)
@@ -82,35 +82,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
         return 0
     if args.allow_config_change:
         os.environ[ALLOW_ENV] = "1"
-    again = command_line("train", args.config, *args.overrides, "--run-dir", run_dir)
-    try:
-        result = executor.submit(cfg, run_dir).result()
-    except (WorkerFailure, CheckpointError) as failure:  # a checkpoint write failed: disk full, I/O error
-        # A leading newline: torch's writer threads may still be printing their own traceback,
-        # and our one line must start a line of its own.
-        sys.stderr.flush()
-        print(f"\nverl-hpc: error: {failure}", file=sys.stderr, flush=True)
-        print(f"verl-hpc: {run_dir} is kept; once fixed, continue with: {again}", file=sys.stderr, flush=True)
-        return 1
-    print(f"run directory: {result.run_dir}")
-    if result.stopped_by is not None:
-        print(f"stopped by {result.stopped_by} after step {result.steps}; the checkpoint is saved. "
-              f"To resume: {again}")
-        return 128 + getattr(signal.Signals, result.stopped_by, signal.SIGTERM).value
-    print(_summary(result.steps, result.last_metrics))
-    print(f"tensorboard:   tensorboard --logdir {result.run_dir / 'tensorboard'}")
-    if result.hf_model_dir is not None:
-        print(f"trained model: {result.hf_model_dir}")
-    return 0
-
-
-def _summary(steps: int, metrics: dict[str, float]) -> str:
-    """`steps: N   final <score>: x` and one line per validation metric (the score only when logged)."""
-    score_key = "critic/score/mean" if "critic/score/mean" in metrics else "dpo/reward_accuracy"
-    lines = [f"steps: {steps}" + (f"   final {score_key}: {metrics[score_key]:.4f}" if score_key in metrics else "")]
-    lines += [f"validation:    {key} {value:.4f}" for key, value in sorted(metrics.items())
-              if key.startswith("val-core/")]
-    return "\n".join(lines)
+    return train_and_report(cfg, run_dir, command_line("train", args.config, *args.overrides, "--run-dir", run_dir),
+                            executor)
 
 
 def _cmd_config_show(args: argparse.Namespace) -> int:
@@ -183,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"verl-hpc {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for add in (_add_train, _add_config, _add_init_model, _add_ckpt, _add_export, *SLURM_PARSERS, *ELASTIC_PARSERS,
-                *REPORT_PARSERS):
+                *REPORT_PARSERS, *VERL_PARSERS):
         add(sub)
     return parser
 

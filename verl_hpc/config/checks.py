@@ -20,6 +20,7 @@ from verl_hpc.utils.fs import expand_path
 
 if TYPE_CHECKING:
     from verl_hpc.config.schema import RunConfig
+    from verl_hpc.config.sources import ReasoningGymConfig
 
 DATA_SUFFIXES = (".parquet", ".jsonl", ".json")
 
@@ -193,9 +194,12 @@ def builder_hint(path: Path) -> str:
 
 def check_data(cfg: RunConfig) -> None:
     data = cfg.data
-    if not data.train_files and data.task is None:
+    if not data.train_files and data.task is None and data.reasoning_gym is None:
         raise FieldError("data.train_files", "no prompts: the list is empty and data.task is not set",
-                         "list Parquet/JSONL files or set data.task.name: arithmetic")
+                         "list Parquet/JSONL files, set data.task.name: arithmetic, or "
+                         "data.reasoning_gym.tasks: [basic_arithmetic]")
+    if data.reasoning_gym is not None:
+        check_reasoning_gym(data.reasoning_gym)
     for i, name in enumerate(data.train_files):
         field = f"data.train_files[{i}]"
         path = expand_path(name)
@@ -315,3 +319,28 @@ def check_roles(cfg: RunConfig) -> None:
     if cfg.checkpoint.resume not in ("auto", "never") and not expand_path(cfg.checkpoint.resume).exists():
         raise FieldError("checkpoint.resume", f"{cfg.checkpoint.resume} does not exist",
                          "use auto, never, or the path of a checkpoint")
+
+
+def check_reasoning_gym(gym: ReasoningGymConfig) -> None:
+    """Every task a registered name and its options accepted by it, before any job exists."""
+    from verl_hpc.data.tasks import reasoning_gym
+
+    problem = reasoning_gym.available()
+    if problem is not None:
+        raise FieldError("data.reasoning_gym", problem, reasoning_gym.INSTALL_HINT)
+    names = reasoning_gym.task_names()
+    for i, task in enumerate(gym.entries()):
+        if task.name not in names:
+            close = [n for n in names if task.name.lower() in n or n in task.name.lower()][:5]
+            raise FieldError(f"data.reasoning_gym.tasks[{i}]", f"{task.name!r} is not a reasoning-gym task",
+                             f"use one of {', '.join(close) if close else ', '.join(names[:8]) + ', ...'} "
+                             "(python -c 'import reasoning_gym.factory as f; print(sorted(f.DATASETS))')")
+        try:
+            reasoning_gym.generate([(task.name, 1.0, task.config)], 1, gym.seed)
+        except Exception as err:  # the task's own config class rejects an option: say which
+            raise FieldError(f"data.reasoning_gym.tasks[{i}].config", f"{task.name} refused its options: {err}",
+                             "use the fields of the task's config dataclass") from None
+    prompts = reasoning_gym.system_prompts()
+    if gym.system_prompt is not None and gym.system_prompt not in prompts:
+        raise FieldError("data.reasoning_gym.system_prompt", f"{gym.system_prompt!r} is not one of "
+                         "reasoning-gym's system prompts", f"use one of {', '.join(sorted(prompts))}, or null")

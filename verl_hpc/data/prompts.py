@@ -126,6 +126,16 @@ def read_schema(path: str | Path):  # -> pa.Schema
     return read_table(path).schema
 
 
+def count_rows(path: str | Path) -> int:
+    """Rows of a prompt file, reading as little as the format allows (Parquet: the footer only)."""
+    path = Path(path)
+    if path.suffix == ".parquet" and not path.is_dir():
+        import pyarrow.parquet as pq
+
+        return pq.ParquetFile(path).metadata.num_rows
+    return read_table(path).num_rows
+
+
 def read_columns(path: str | Path) -> list[str]:
     return list(read_schema(path).names)
 
@@ -158,7 +168,8 @@ class PromptDataset:
                  data_source_key: str = "data_source", extra_info_key: str = "extra_info",
                  require_answer: bool = False):
         self.prompts: list[str | list[dict[str, str]]] = []
-        self.answers: list[str | None] = []
+        self.answers: list[str | None] = []  # as text, for logs and `fn(prompt, response, ground_truth)`
+        self.ground_truths: list[Any] = []  # as the file holds them (str, list, dict, ...), for verl's compute_score
         self.data_sources: list[str | None] = []
         self.extra_infos: list[str | None] = []
         self.where: list[str] = []  # "file row i, column 'prompt'" for each row's error messages
@@ -175,20 +186,22 @@ class PromptDataset:
         if prompts is MISSING:
             raise ValueError(f"{path}: no column {prompt_key!r} (columns: {table.column_names})")
         akey = answer_key_for(table.schema, answer_key)
-        answers = key_values(table, akey) if akey is not None else MISSING
-        answers = [None] * table.num_rows if answers is MISSING else [answer_text(a) for a in answers]
-        for row, (value, answer) in enumerate(zip(prompts, answers, strict=True)):  # type: ignore[arg-type]
+        raw = key_values(table, akey) if akey is not None else MISSING
+        raw = [None] * table.num_rows if raw is MISSING else raw
+        for row, (value, truth) in enumerate(zip(prompts, raw, strict=True)):  # type: ignore[arg-type]
             where = f"{path} row {row}, column {key!r}"
             if key == "messages" and isinstance(value, list):  # SFT-style chat: the last reply is the answer
                 while value and isinstance(value[-1], dict) and value[-1].get("role") == "assistant":
-                    if answer is None and akey is None:
-                        answer = answer_text(value[-1].get("content"))
+                    if truth is None and akey is None:
+                        truth = value[-1].get("content")
                     value = value[:-1]
+            answer = answer_text(truth)
             self.prompts.append(check_prompt(value, where, "data.prompt_key"))
             if require_answer and answer is None:
                 raise RowError("data.answer_key", f"{path} row {row}, column {akey or DEFAULT_ANSWER_KEYS[1]!r}: "
                                "the ground truth is missing", "give every row a ground truth, or drop the row")
             self.answers.append(answer)
+            self.ground_truths.append(truth)
             self.where.append(where)
         for out, k, convert in ((self.data_sources, source_key, answer_text), (self.extra_infos, info_key, info_text)):
             values = key_values(table, k)
@@ -196,7 +209,7 @@ class PromptDataset:
 
     def keep(self, rows: list[int]) -> None:
         """Only these rows, in this order (what `data.filter_overlong_prompts` leaves)."""
-        for name in ("prompts", "answers", "data_sources", "extra_infos", "where"):
+        for name in ("prompts", "answers", "ground_truths", "data_sources", "extra_infos", "where"):
             values = getattr(self, name)
             setattr(self, name, [values[i] for i in rows])
 

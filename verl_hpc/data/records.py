@@ -94,12 +94,19 @@ def check_prompt(value: Any, where: str, field: str) -> str | list[dict[str, str
 
 
 def answer_text(value: Any) -> str | None:
-    """A ground truth as the string the reward gets (numbers from JSONL included); None stays None."""
+    """A ground truth as text (numbers from JSONL included; lists and dicts as JSON): what logs and
+    our own reward signature show; None stays None. The object itself rides beside it (`answer_json`)."""
     if value is None or isinstance(value, str):
         return value
     if isinstance(value, float) and value.is_integer():
         return str(int(value))
     return json.dumps(value) if isinstance(value, (list, dict)) else str(value)
+
+
+def answer_json(value: Any) -> str | None:
+    """A ground truth that is not text (a list, a dict, a number) as JSON, so the object itself can
+    reach the reward after any transport; None for text and missing ones (the text column says it all)."""
+    return None if value is None or isinstance(value, str) else json.dumps(value, default=str)
 
 
 def info_text(value: Any) -> str | None:

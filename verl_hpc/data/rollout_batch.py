@@ -17,6 +17,8 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from verl_hpc.data.records import answer_json, answer_text
+
 TOKEN_FLOAT_COLUMNS = ("rollout_logprobs", "old_logprobs", "ref_logprobs", "values",
                        "token_rewards", "advantages", "returns")
 
@@ -28,7 +30,8 @@ SCHEMA = pa.schema([
     pa.field("step", pa.int64(), nullable=False),  # the training step this rollout is for
     pa.field("prompt_ids", pa.list_(pa.int32()), nullable=False),
     pa.field("response_ids", pa.list_(pa.int32()), nullable=False),
-    pa.field("ground_truth", pa.string()),
+    pa.field("ground_truth", pa.string()),  # as text: what logs and metrics show
+    pa.field("ground_truth_json", pa.string()),  # a ground truth that is not text (list, dict, number), as JSON
     pa.field("data_source", pa.string()),  # the dataset's `data_source` (verl's reward_fn_key)
     pa.field("extra_info", pa.string()),   # the dataset's `extra_info`, as JSON text (any shape)
     pa.field("score", pa.float32()),
@@ -144,7 +147,8 @@ def _upgrade(batch: pa.RecordBatch) -> pa.RecordBatch:
     """Batches saved by an earlier version (checkpointed rollout buffers, recorded rollouts).
 
     `sample_index` is derived from the row order; a nullable column that did not exist yet
-    (`data_source`, `extra_info`, `baseline_score`) is all nulls, which is what a dataset without it gives.
+    (`data_source`, `extra_info`, `baseline_score`, `ground_truth_json`) is all nulls, which is what a
+    dataset without it gives.
     """
     names = set(batch.schema.names)
     if all(f.name in names for f in SCHEMA):
@@ -195,12 +199,16 @@ class RolloutBatch:
     @classmethod
     def from_generation(cls, prompt_ids: Sequence[Sequence[int]], response_ids: Sequence[Sequence[int]],
                         rollout_logprobs: Sequence[Sequence[float]] | None, group_ids: Sequence[int],
-                        prompt_index: Sequence[int], ground_truth: Sequence[str | None],
+                        prompt_index: Sequence[int], ground_truth: Sequence[Any],
                         policy_version: int, step: int = 0,
                         sample_index: Sequence[int] | None = None,
                         data_source: Sequence[str | None] | None = None,
                         extra_info: Sequence[str | None] | None = None) -> RolloutBatch:
-        """One row per response; `data_source`/`extra_info` (JSON text) ride along to the reward."""
+        """One row per response; `data_source`/`extra_info` (JSON text) ride along to the reward.
+
+        `ground_truth` may hold objects (the dataset's values: text, lists, dicts): each is stored
+        as text for display and, when it is not text, as JSON too, so the reward gets it back whole.
+        """
         n = len(prompt_ids)
         columns: dict[str, Any] = {
             "prompt_index": pa.array(prompt_index, pa.int64()),
@@ -211,7 +219,8 @@ class RolloutBatch:
             "step": pa.array(np.full(n, step, dtype=np.int64)),
             "prompt_ids": _ragged(prompt_ids, pa.int32()),
             "response_ids": _ragged(response_ids, pa.int32()),
-            "ground_truth": pa.array(list(ground_truth), pa.string()),
+            "ground_truth": pa.array([answer_text(t) for t in ground_truth], pa.string()),
+            "ground_truth_json": pa.array([answer_json(t) for t in ground_truth], pa.string()),
             "data_source": pa.array(list(data_source), pa.string()) if data_source is not None
             else pa.nulls(n, pa.string()),
             "extra_info": pa.array(list(extra_info), pa.string()) if extra_info is not None

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from verl_hpc.algo import aggregate_loss, get_policy_loss, kl_penalty, masked_mean
+from verl_hpc.algo import aggregate_loss, counted_rows, get_policy_loss, kl_penalty
 from verl_hpc.config import AlgorithmConfig
 from verl_hpc.config.schema import LOGPROB_CHUNK_TOKENS, OptimConfig
 from verl_hpc.roles.allocator import ResourceAllocator
@@ -44,8 +44,9 @@ class UpdatePlan:
 
     @classmethod
     def from_config(cls, algo: AlgorithmConfig, batch_size: int, world: int = 1) -> UpdatePlan:
-        """`batch_size` is the step's global batch; the plan is for one of `world` ranks."""
-        mini = (algo.mini_batch_size or batch_size) // world
+        """`batch_size` is the step's global batch (a smaller one is one mini-batch); the plan is for
+        one of `world` ranks."""
+        mini = min(algo.mini_batch_size or batch_size, batch_size) // world
         return cls(mini, min(algo.micro_batch_size or mini, mini), algo.ppo_epochs, algo.token_budget)
 
     def single_pass(self, batch_size: int) -> bool:
@@ -55,16 +56,19 @@ class UpdatePlan:
         return [slice(start, start + self.mini_batch_size) for start in range(0, batch_size, self.mini_batch_size)]
 
 
-def micro_weight(mask: torch.Tensor, total_tokens: torch.Tensor, total_rows: int, agg_mode: str) -> float:
+def micro_weight(mask: torch.Tensor, total_tokens: torch.Tensor, total_rows: int | torch.Tensor,
+                 agg_mode: str) -> float:
     """A micro-batch's share of its mini-batch, so accumulated gradients equal one big batch.
 
-    Every seq-* mode is a mean over the mini-batch's rows, so the share is the row share
-    (exact for `seq-mean-token-sum-norm`, whose constant divisor and all-row mean make a
-    micro-batch's loss a plain sum over its own rows).
+    `total_rows` counts the mini-batch's rows that have a token (`counted_rows`): every
+    seq-* mode is a mean over those, so the share is their share; `token-sum` is a plain
+    sum, so every micro-batch counts whole.
     """
     if agg_mode == "token-mean":
         return float(mask.sum() / total_tokens)
-    return mask.shape[0] / total_rows
+    if agg_mode == "token-sum":
+        return 1.0
+    return float(counted_rows(mask).sum()) / max(float(total_rows), 1.0)
 
 
 def data_parallel_scale(mask: torch.Tensor, agg_mode: str, group: dist.ProcessGroup | None) -> float:
@@ -72,11 +76,14 @@ def data_parallel_scale(mask: torch.Tensor, agg_mode: str, group: dist.ProcessGr
 
     Ranks hold different numbers of valid tokens; scaling each rank's local mean by
     local_count * world / global_count makes the average of the ranks' gradients the
-    gradient of the mean over every token (or sequence) of the whole batch.
+    gradient of the mean over every token (or counted sequence) of the whole batch. A sum
+    (`token-sum`) is scaled by the world size alone, as verl scales it by dp_size.
     """
     if group is None or dist.get_world_size(group) == 1:
         return 1.0
-    local = mask.sum() if agg_mode == "token-mean" else torch.tensor(float(mask.shape[0]))
+    if agg_mode == "token-sum":
+        return float(dist.get_world_size(group))
+    local = mask.sum() if agg_mode == "token-mean" else counted_rows(mask).sum()
     total = local.detach().clone().float().cpu()
     all_reduce_kept(total, group=group)
     return float(local) * dist.get_world_size(group) / max(float(total), 1.0)
@@ -135,14 +142,18 @@ class Actor(OptimizedModel):
         algo = self.algo
         loss_fn = get_policy_loss(algo.policy_loss).compute
         self.optimizer.zero_grad(set_to_none=True)
-        total_tokens = mini["response_mask"].sum().clamp(min=1)
-        total_rows = mini["response_mask"].shape[0]
-        dp_scale = data_parallel_scale(mini["response_mask"], algo.loss_agg_mode, self.dp_group)
-        sums = {"pg_loss": 0.0, "entropy": 0.0, "kl_loss": 0.0, "pg_clipfrac": 0.0, "ppo_kl": 0.0}
+        mini_mask = mini["response_mask"]
+        total_tokens, total_rows = mini_mask.sum().clamp(min=1), counted_rows(mini_mask).sum()
+        dp_scale = data_parallel_scale(mini_mask, algo.loss_agg_mode, self.dp_group)
+        # clipfrac, clipfrac_lower and ppo_kl are token means whatever the loss's mode
+        stat_scale = dp_scale if algo.loss_agg_mode == "token-mean" else \
+            data_parallel_scale(mini_mask, "token-mean", self.dp_group)
+        sums = dict.fromkeys(("pg_loss", "entropy", "kl_loss", "pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"), 0.0)
         seen: list[tuple[list[int], torch.Tensor]] = []
         for rows, micro in micro_batches_of(mini, micro_size, micro_size if by_tokens else None, self.dp_group):
             mask = micro["response_mask"]
             weight = micro_weight(mask, total_tokens, total_rows, algo.loss_agg_mode) * dp_scale
+            stat_weight = micro_weight(mask, total_tokens, total_rows, "token-mean") * stat_scale
             logprobs, entropy = response_logprobs(self.model, micro, algo.sampling.temperature,
                                                   with_entropy=True, chunk_tokens=self.chunk_tokens,
                                                   remove_padding=self.remove_padding,
@@ -150,23 +161,32 @@ class Actor(OptimizedModel):
             old = logprobs.detach() if reuse_forward else micro["old_logprobs"]
             seen.append((rows, old))
             pg, pg_stats = loss_fn(logprobs, old, micro["advantages"], mask, algo)
-            loss = pg
-            ent = masked_mean(entropy, mask)
-            if algo.entropy_coef > 0:
-                loss = loss - algo.entropy_coef * ent
-            kl_value = torch.zeros(())
-            if "ref_logprobs" in micro and not algo.kl.in_reward:
-                kl_mat = kl_penalty(logprobs, micro["ref_logprobs"], algo.kl.estimator)
-                kl_value = aggregate_loss(kl_mat, mask, algo.loss_agg_mode, algo.sampling.max_new_tokens)
-                loss = loss + algo.kl.coef * kl_value
+            loss, ent, kl_value = self._objective(pg, logprobs, entropy, micro)
             (loss * weight).backward()
-            for key, value in (("pg_loss", pg), ("entropy", ent), ("kl_loss", kl_value),
-                               ("pg_clipfrac", pg_stats["clipfrac"]), ("ppo_kl", pg_stats["approx_kl"])):
+            for key, value in (("pg_loss", pg), ("entropy", ent), ("kl_loss", kl_value)):
                 sums[key] += float(value.detach()) * weight
+            for key, stat in (("pg_clipfrac", "clipfrac"), ("pg_clipfrac_lower", "clipfrac_lower"),
+                              ("ppo_kl", "approx_kl")):
+                sums[key] += float(pg_stats.get(stat, 0.0)) * stat_weight
         grad_norm = self.clip_and_step()
         if reuse_forward:
-            self.sampled_logprobs = reassemble(seen, total_rows, mini["response_mask"].shape[1])
+            self.sampled_logprobs = reassemble(seen, mini_mask.shape[0], mini_mask.shape[1])
         return {**sums, "grad_norm": grad_norm, "lr": self.scheduler.get_last_lr()[0]}
+
+    def _objective(self, pg: torch.Tensor, logprobs: torch.Tensor, entropy: torch.Tensor,
+                   micro: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(loss, entropy, KL loss) of one micro-batch: pg - entropy_coef * H + kl.coef * KL, as verl's
+        actor combines them, the entropy and the KL aggregated with `loss_agg_mode` like the policy loss."""
+        algo, mask = self.algo, micro["response_mask"]
+        norm = algo.sampling.max_new_tokens
+        ent = aggregate_loss(entropy, mask, algo.loss_agg_mode, norm)
+        loss = pg - algo.entropy_coef * ent if algo.entropy_coef > 0 else pg
+        kl_value = torch.zeros(())
+        if "ref_logprobs" in micro and not algo.kl.in_reward:
+            kl_mat = kl_penalty(logprobs, micro["ref_logprobs"], algo.kl.estimator)
+            kl_value = aggregate_loss(kl_mat, mask, algo.loss_agg_mode, norm)
+            loss = loss + algo.kl.coef * kl_value
+        return loss, ent, kl_value
 
     def old_logprobs_needed(self, plan: UpdatePlan, batch_size: int) -> bool:
         return not plan.single_pass(batch_size)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from verl_hpc.algo import value_loss
+from verl_hpc.algo import counted_rows, value_loss
 from verl_hpc.config import AlgorithmConfig
 from verl_hpc.config.schema import OptimConfig
 from verl_hpc.roles.actor import UpdatePlan, data_parallel_scale, micro_weight
@@ -103,16 +103,22 @@ class Critic(OptimizedModel):
         """Loss metrics are pre-scaled by the data-parallel share, as in `Actor._optimizer_step`."""
         self.optimizer.zero_grad(set_to_none=True)
         total_tokens = mini["response_mask"].sum().clamp(min=1)
+        total_rows = counted_rows(mini["response_mask"]).sum()
         sums = {"vf_loss": 0.0, "vf_clipfrac": 0.0}
-        dp_scale = data_parallel_scale(mini["response_mask"], self.algo.loss_agg_mode, self.dp_group)
+        mode = self.algo.loss_agg_mode
+        dp_scale = data_parallel_scale(mini["response_mask"], mode, self.dp_group)
+        # vf_clipfrac is a token mean whatever the loss's mode
+        stat_scale = dp_scale if mode == "token-mean" else data_parallel_scale(mini["response_mask"], "token-mean",
+                                                                               self.dp_group)
         for _, micro in micro_batches_of(mini, micro_size, token_budget, self.dp_group):
             mask = micro["response_mask"]
-            weight = micro_weight(mask, total_tokens, mini["response_mask"].shape[0], self.algo.loss_agg_mode)
+            weight = micro_weight(mask, total_tokens, total_rows, mode)
             values = self.model(micro)
             loss, stats = value_loss(values, micro["values"], micro["returns"], mask, self.algo.value_clip,
                                      self.algo.loss_agg_mode, self.algo.sampling.max_new_tokens)
             (loss * weight * dp_scale).backward()
             sums["vf_loss"] += float(loss.detach()) * weight * dp_scale
-            sums["vf_clipfrac"] += float(stats["vf_clipfrac"]) * weight * dp_scale
+            sums["vf_clipfrac"] += float(stats["vf_clipfrac"]) * micro_weight(mask, total_tokens, total_rows,
+                                                                              "token-mean") * stat_scale
         sums["grad_norm"] = self.clip_and_step()
         return sums

@@ -97,6 +97,22 @@ class _Checked:
 VERL_ARGS = ("data_source", "solution_str", "ground_truth")  # verl's compute_score(..., extra_info=None)
 
 
+def ground_truths(batch: RolloutBatch, scalars_as_text: bool) -> list[Any]:
+    """Each row's ground truth as the dataset holds it: text as text, a list or a dict as itself
+    (verl's search-R1 layout: `{"target": [...]}`), as verl hands it to `compute_score`.
+
+    A number reaches verl's signature as the number the file holds (as in verl); our own
+    `fn(prompt, response, ground_truth)` gets numbers as text (`scalars_as_text`), as it always has.
+    """
+    texts = batch.column("ground_truth").to_pylist()
+    encoded = batch.column("ground_truth_json").to_pylist()
+    out: list[Any] = []
+    for text, blob in zip(texts, encoded, strict=True):
+        value = text if blob is None else json.loads(blob)
+        out.append(text if scalars_as_text and not isinstance(value, (list, dict)) else value)
+    return out
+
+
 class RuleReward(_Checked):
     """Calls a rule function on decoded text, per sequence, in one of two signatures.
 
@@ -149,7 +165,7 @@ class RuleReward(_Checked):
         decode = self.tokenizer.batch_decode
         response_ids = batch.column("response_ids").to_pylist()
         responses = decode(response_ids, skip_special_tokens=True)
-        truths = batch.column("ground_truth").to_pylist()
+        truths = ground_truths(batch, scalars_as_text=not self.verl)
         if self.verl:
             infos = [None if e is None else json.loads(e) for e in batch.column("extra_info").to_pylist()]
             out = [{"data_source": d, "solution_str": r, "ground_truth": t}

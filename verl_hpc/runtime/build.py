@@ -158,6 +158,15 @@ def prompt_files(cfg: RunConfig, run_dir: Path) -> list[Path]:
         if not out.exists():
             write_task_prompts(task.name, out, task.num_prompts, task.max_operand, task.seed)
         files.append(out)
+    gym = cfg.data.reasoning_gym
+    if gym is not None:
+        from verl_hpc.data.tasks import reasoning_gym
+
+        out = run_dir / "data" / "reasoning_gym_prompts.jsonl"
+        if not out.exists():  # written once: a resumed run trains on the same prompts
+            reasoning_gym.write_prompts(out, [(t.name, t.weight, t.config) for t in gym.entries()], gym.size,
+                                        gym.seed, gym.system_prompt, gym.chat)
+        files.append(out)
     return files
 
 

@@ -47,6 +47,7 @@ def reinforce_pp_baseline(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
     mask = inputs.response_mask
     rewards = sequence_rewards(inputs.token_rewards, mask)
     totals, counts = group_totals(rewards, inputs.group_ids)
-    centered = (rewards - totals / counts).unsqueeze(-1) * (mask != 0).to(torch.float64)
+    means = torch.where(counts > 1, totals / counts, torch.zeros_like(totals))  # a lone sample: baseline 0 (verl)
+    centered = (rewards - means).unsqueeze(-1) * (mask != 0).to(torch.float64)
     adv = whiten_over_ranks(centered, mask, inputs.reduce_sum)
     return adv, adv.clone()

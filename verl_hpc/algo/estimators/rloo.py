@@ -22,7 +22,8 @@ def rloo(inputs: AdvantageInputs) -> tuple[Tensor, Tensor]:
     rewards = sequence_rewards(inputs.token_rewards, inputs.response_mask)
     totals, counts = group_totals(rewards, inputs.group_ids)
     others = (counts - 1).clamp(min=1)
-    # A lone sample has no other to compare with: advantage 0 (validation asks for n >= 2).
-    adv = torch.where(counts > 1, rewards - (totals - rewards) / others, torch.zeros_like(rewards))
+    # A lone sample has no other to compare with: baseline 0, so its advantage is its reward, as in
+    # verl's `rloo` (verl's `rloo_vectorized` gives 0; validation asks for n >= 2 anyway).
+    adv = torch.where(counts > 1, rewards - (totals - rewards) / others, rewards)
     token_adv = adv.unsqueeze(-1) * (inputs.response_mask != 0).to(torch.float64)
     return token_adv, token_adv.clone()

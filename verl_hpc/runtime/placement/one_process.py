@@ -15,10 +15,9 @@ from typing import Any
 import torch
 
 from verl_hpc.config import RunConfig
-from verl_hpc.data.layout import even_slices, rank_rows
+from verl_hpc.data.layout import even_slices
 from verl_hpc.data.rollout_batch import RolloutBatch
 from verl_hpc.metrics import memory_metrics
-from verl_hpc.roles.actor import UpdatePlan
 from verl_hpc.roles.allocator import generate_guarded
 from verl_hpc.roles.forward import batched_logprobs, to_device
 from verl_hpc.roles.rollout.replay import is_replay, write_record
@@ -26,7 +25,7 @@ from verl_hpc.runtime.build import Roles
 from verl_hpc.runtime.process.signals import StopFlag
 from verl_hpc.runtime.step.baselines import add_greedy_baselines
 from verl_hpc.runtime.step.counters import Timer
-from verl_hpc.runtime.step.stages import ActorUpdate, Placement, Seat, StepData, SyncReport
+from verl_hpc.runtime.step.stages import ActorUpdate, Placement, Seat, StepData, SyncReport, seat_layout
 from verl_hpc.runtime.step.validation import validation_rows
 
 
@@ -48,7 +47,7 @@ def generate_rows(roles: Roles, cfg: RunConfig, step: int, indices: list[int], r
     dataset = roles.dataset
     batch = RolloutBatch.from_generation(
         prompt_ids, out.response_ids if out else [], out.logprobs if out else [], group_ids=groups,
-        prompt_index=prompt_index, ground_truth=[dataset.answers[i] for i in prompt_index],
+        prompt_index=prompt_index, ground_truth=[dataset.ground_truths[i] for i in prompt_index],
         policy_version=policy_version, step=step, sample_index=samples,
         data_source=[dataset.data_sources[i] for i in prompt_index],
         extra_info=[dataset.extra_infos[i] for i in prompt_index])
@@ -62,10 +61,9 @@ def generate_rows(roles: Roles, cfg: RunConfig, step: int, indices: list[int], r
 def trainer_seat(cfg: RunConfig, world: int = 1, rank: int = 0, *, trains: bool = True, stream: int | None = None,
                  speaker: tuple[str, int, int] | None = ("trainer", 0, 0), processes: int = 1) -> Seat:
     """A rank's seat: its rows of every step and its update plan (data/layout.py)."""
-    batch = cfg.trainer.batch_size
+    rows, plan = seat_layout(cfg, cfg.trainer.batch_size, world, rank)
     return Seat(trains=trains, rank=rank, world=world, stream=rank if stream is None else stream,
-                rows=rank_rows(batch, cfg.algorithm.mini_batch_size or batch, world, rank),
-                plan=UpdatePlan.from_config(cfg.algorithm, batch, world), speaker=speaker, processes=processes)
+                rows=rows, plan=plan, speaker=speaker, processes=processes)
 
 
 class LocalCollectives:

@@ -36,7 +36,7 @@ from verl_hpc.utils.collective import all_reduce_kept
 STOP = "stop"
 # The optional columns each role reads (the ids, prompts and responses always travel): the rest
 # stay home. The reward's text fields are the dataset's; the critic's update adds its targets.
-READS = {"reward": ("ground_truth", "data_source", "extra_info"), "ref": (), "critic": ()}
+READS = {"reward": ("ground_truth", "ground_truth_json", "data_source", "extra_info"), "ref": (), "critic": ()}
 
 
 class Exchange:
@@ -206,8 +206,9 @@ class RoleService:
     def update(self, full: RolloutBatch) -> dict[str, Any] | None:
         """The critic group trains on its rows of every mini-batch (data/layout.py), like any trainer."""
         cfg, ctx, roles = self.cfg, self.ctx, self.roles
-        world, batch_size = self.serving_ranks(), cfg.trainer.batch_size
-        mine = full.take(rank_rows(batch_size, cfg.algorithm.mini_batch_size or batch_size, world, ctx.rank_in_group))
+        world, batch_size = self.serving_ranks(), len(full)  # fewer than trainer.batch_size when DAPO ran out
+        mini = min(cfg.algorithm.mini_batch_size or batch_size, batch_size)
+        mine = full.take(rank_rows(batch_size, mini, world, ctx.rank_in_group))
         inputs = to_device(mine.model_inputs(roles.pad_id), roles.device)
         width = inputs["response_mask"].shape[1]
         for key in ("returns", "values"):

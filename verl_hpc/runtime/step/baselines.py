@@ -38,7 +38,7 @@ def add_greedy_baselines(roles: Roles, cfg: RunConfig, batch: RolloutBatch) -> R
     dataset = roles.dataset
     greedy_rows = RolloutBatch.from_generation(
         prompt_ids, out.response_ids, out.logprobs, group_ids=[groups[r] for r in rows], prompt_index=index,
-        ground_truth=[dataset.answers[i] for i in index], policy_version=int(batch.column("policy_version")[0].as_py()),
+        ground_truth=[dataset.ground_truths[i] for i in index], policy_version=int(batch.column("policy_version")[0].as_py()),
         data_source=[dataset.data_sources[i] for i in index], extra_info=[dataset.extra_infos[i] for i in index])
     scores = roles.reward.score(greedy_rows).tolist()
     by_group = dict(zip(first_rows, scores, strict=True))

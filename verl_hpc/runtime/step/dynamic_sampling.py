@@ -12,6 +12,16 @@ ordered by (round, group, sample), cut to the batch, renumbered as groups 0..G-1
 handed out by the usual layout (this rank's `Seat.rows`), so the update sees a batch laid out
 exactly like an unfiltered one. The rounds are driven from here; a rollout group of its
 own is told by the leader whether another round follows (`Stages.next_round`).
+
+When `max_num_gen_batches` rounds still hold too few informative groups (a policy that
+has learned most prompts), the step trains on the groups it found (`on_exhausted:
+train`): the largest number of them that every rank, and every role's group, can still
+split evenly (`trainable_groups`), with a warning and `filter_groups/exhausted` = 1. When
+not even one group can (none was informative: a policy that answers every prompt the
+same way), the step trains on the last round's batch as generated, as GRPO without
+dynamic sampling would: no policy gradient where a group's scores are equal, the KL and
+entropy terms still act, and the run goes on. verl raises instead; `on_exhausted: error`
+does too.
 """
 
 from __future__ import annotations
@@ -23,7 +33,10 @@ from verl_hpc.config import RunConfig
 from verl_hpc.data.prompts import PromptSampler
 from verl_hpc.data.rollout_batch import RolloutBatch
 from verl_hpc.runtime.step.counters import Timer
-from verl_hpc.runtime.step.stages import Collectives, Stages
+from verl_hpc.runtime.step.stages import Collectives, Seat, Stages
+from verl_hpc.utils.logging import get_logger
+
+log = get_logger("trainer")
 
 
 def informative_rows(batch: RolloutBatch) -> np.ndarray:
@@ -39,10 +52,13 @@ def informative_rows(batch: RolloutBatch) -> np.ndarray:
     return np.nonzero(keep)[0]
 
 
-def filtered_rollouts(cfg: RunConfig, stages: Stages, collectives: Collectives, rows_here: list[int], step: int,
+def filtered_rollouts(cfg: RunConfig, stages: Stages, collectives: Collectives, seat: Seat, step: int,
                       indices: list[int], policy_version: int, timer: Timer,
                       sampler: PromptSampler) -> tuple[RolloutBatch | None, dict[str, float]]:
-    """This rank's rows (`rows_here`) of a batch of informative groups, and the rounds' counts."""
+    """This rank's rows (`seat.rows`) of a batch of informative groups, and the rounds' counts.
+
+    Every round generates the rows of a full batch; a step that trains on fewer groups lays
+    the seat out for them (`Seat.lay_out`) until the loop lays it out for the next step."""
     group_size = cfg.algorithm.sampling.n
     needed = cfg.trainer.batch_size // group_size
     kept: list[tuple[int, bytes]] = []  # (round, Arrow IPC of this rank's kept rows)
@@ -51,7 +67,7 @@ def filtered_rollouts(cfg: RunConfig, stages: Stages, collectives: Collectives, 
         if round_:
             stages.next_round(True)
             indices = sampler.next_indices()
-        batch = stages.rollouts(step, indices, policy_version, timer, round_=round_)
+        batch = last = stages.rollouts(step, indices, policy_version, timer, round_=round_)
         if batch is None:
             return None, {}
         rows = informative_rows(batch)
@@ -62,16 +78,71 @@ def filtered_rollouts(cfg: RunConfig, stages: Stages, collectives: Collectives, 
         if have >= needed:
             break
     stages.next_round(False)
-    if have < needed:
-        raise RuntimeError(
-            f"step {step}: {have} of {needed} prompt groups had scores that were not all equal after "
-            f"{cfg.algorithm.filter_groups.max_num_gen_batches} generation rounds (hint: raise "
-            "algorithm.filter_groups.max_num_gen_batches, or check that the reward can tell responses apart)")
-    full = _ordered_batch([part for parts in collectives.gather_to_all(kept) for part in parts], needed, group_size,
-                          step)
+    used = needed if have >= needed else _exhausted(cfg, seat, step, have, needed)
     metrics = {"filter_groups/num_gen_batches": float(len(kept)),
-               "filter_groups/dropped_groups": float(generated - have), "filter_groups/kept_groups": float(needed)}
-    return full.take(rows_here), metrics
+               "filter_groups/dropped_groups": float(generated - have), "filter_groups/kept_groups": float(used),
+               "filter_groups/exhausted": float(have < needed)}
+    if used == 0:  # the last round's rows, as generated for a full batch (the seat keeps its full layout)
+        return last, metrics
+    full = _ordered_batch([part for parts in collectives.gather_to_all(kept) for part in parts], used, group_size,
+                          step)
+    if used < needed:
+        seat.lay_out(cfg, len(full))
+    return full.take(seat.rows), metrics
+
+
+def _exhausted(cfg: RunConfig, seat: Seat, step: int, have: int, needed: int) -> int:
+    """The informative groups a step trains on when the rounds ran out: error, or the most that lay
+    out evenly (0: none does, and the step trains on the last round as generated)."""
+    rounds = cfg.algorithm.filter_groups.max_num_gen_batches
+    found = f"step {step}: {have} of {needed} prompt groups had scores that were not all equal after {rounds} " \
+            "generation rounds"
+    if cfg.algorithm.filter_groups.on_exhausted == "error":
+        raise RuntimeError(f"{found} (hint: raise algorithm.filter_groups.max_num_gen_batches, check that the "
+                           "reward can tell responses apart, or set algorithm.filter_groups.on_exhausted: train)")
+    n = cfg.algorithm.sampling.n
+    used = trainable_groups(have, n, cfg.algorithm.mini_batch_size or cfg.trainer.batch_size, seat.world,
+                            layout_worlds(cfg), cfg.algorithm.estimator.whole_groups)
+    if seat.is_leader and used == 0:
+        log.warning("%s; too few to split evenly, so training on the last round's %d groups as generated (no "
+                    "policy gradient where a group's scores are equal; algorithm.filter_groups.on_exhausted: train)",
+                    found, cfg.trainer.batch_size // n)
+    elif seat.is_leader:
+        log.warning("%s; training on %d of them (%d sequences; algorithm.filter_groups.on_exhausted: train)",
+                    found, used, used * n)
+    return used
+
+
+def layout_worlds(cfg: RunConfig) -> list[int]:
+    """Process counts of the role groups that split the step's rows by data/layout.py besides the
+    trainers: a critic or an FSDP reference on devices of its own (as config/checks.py `_check_layout`)."""
+    res, algo, worlds = cfg.resources, cfg.algorithm, []
+    if algo.needs_critic and res.critic is not None and res.critic.device_ids != res.actor.device_ids:
+        worlds.append(res.critic.world_size)
+    if algo.needs_ref and res.ref is not None and res.ref.device_ids != res.actor.device_ids \
+            and res.ref.strategy == "fsdp":
+        worlds.append(res.ref.world_size)
+    return worlds
+
+
+def trainable_groups(have: int, n: int, mini_batch: int, world: int, other_worlds: list[int],
+                     whole_groups: bool) -> int:
+    """The most of `have` groups (of `n` rows) a smaller step can lay out like a full one.
+
+    Its rows form whole mini-batches of `mini_batch`, or, when fewer than one, a single
+    mini-batch of all of them; either way each of the `world` trainer ranks takes an equal
+    share of every mini-batch (whole groups of it when the estimator needs them), and so
+    does every other role group in `other_worlds`. 0 when no count of groups does.
+    """
+    for groups in range(have, 0, -1):
+        rows = groups * n
+        mini = min(mini_batch, rows)
+        if rows % mini or any(mini % w for w in (world, *other_worlds)):
+            continue
+        if whole_groups and (mini // world) % n:
+            continue
+        return groups
+    return 0
 
 
 def _ordered_batch(parts: list[tuple[int, bytes]], groups: int, n: int, step: int) -> RolloutBatch:

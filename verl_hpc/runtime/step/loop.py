@@ -82,6 +82,8 @@ class RLTrainer(StepCounters):
             train_metrics.update(self.rollout_probs_diff(data, first_logprobs))
             with timer("update_weights"):
                 sync = stages.sync_weights(self.policy_version, update_actor, self.step)
+        if algo.filter_groups.enable:  # a smaller step (dynamic sampling ran out of groups) lasts one step
+            self.seat.lay_out(self.cfg, self.cfg.trainer.batch_size)
         if self.cfg.data.record_rollouts:  # the rows leave this rank: carry the step's columns
             batch = batch.with_columns(**data.added())
         self.lifecycle.record(self.step, batch)
@@ -92,7 +94,7 @@ class RLTrainer(StepCounters):
         """This rank's scored rows of the step: one generation round, or DAPO's dynamic sampling."""
         if not self.cfg.algorithm.filter_groups.enable:
             return self.stages.rollouts(self.step, indices, self.policy_version, timer), {}
-        return filtered_rollouts(self.cfg, self.stages, self.collectives, self.seat.rows, self.step, indices,
+        return filtered_rollouts(self.cfg, self.stages, self.collectives, self.seat, self.step, indices,
                                  self.policy_version, timer, self.sampler)
 
     def forward_passes(self, data: StepData, timer: Timer) -> None:

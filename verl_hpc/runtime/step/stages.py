@@ -22,12 +22,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from verl_hpc.data.layout import rank_rows
 from verl_hpc.data.rollout_batch import RolloutBatch
+from verl_hpc.roles.actor import UpdatePlan
 from verl_hpc.runtime.step.counters import Timer
 
 if TYPE_CHECKING:
+    from verl_hpc.config import RunConfig
     from verl_hpc.data.prompts import PromptSampler
-    from verl_hpc.roles.actor import UpdatePlan
     from verl_hpc.runtime.build import Roles
     from verl_hpc.runtime.process.signals import StopFlag
 
@@ -89,6 +91,19 @@ class Seat:
     def is_leader(self) -> bool:
         """Trainer rank 0: logs, commits checkpoints, coordinates."""
         return self.trains and self.rank == 0
+
+    def lay_out(self, cfg: RunConfig, batch_size: int) -> None:
+        """Its rows and plan for a step of `batch_size` rows: `trainer.batch_size`, or fewer for the one
+        step where dynamic sampling ran out of informative groups (step/dynamic_sampling.py)."""
+        self.rows, self.plan = seat_layout(cfg, batch_size, self.world, self.rank)
+
+
+def seat_layout(cfg: RunConfig, batch_size: int, world: int, rank: int) -> tuple[list[int], UpdatePlan]:
+    """A trainer rank's rows of a step of `batch_size` rows and how it cuts them (data/layout.py).
+
+    A step smaller than one mini-batch is one mini-batch of all its rows."""
+    mini = min(cfg.algorithm.mini_batch_size or batch_size, batch_size)
+    return rank_rows(batch_size, mini, world, rank), UpdatePlan.from_config(cfg.algorithm, batch_size, world)
 
 
 class Collectives(Protocol):

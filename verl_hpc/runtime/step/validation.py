@@ -60,7 +60,7 @@ def validation_rows(roles: Roles, cfg: RunConfig, start: int, end: int, policy_v
     engine.sleep()  # type: ignore[union-attr]
     batch = RolloutBatch.from_generation(
         prompt_ids, out.response_ids if out else [], out.logprobs if out else [], group_ids=[r // n for r in rows],
-        prompt_index=index, ground_truth=[dataset.answers[i] for i in index], policy_version=policy_version,
+        prompt_index=index, ground_truth=[dataset.ground_truths[i] for i in index], policy_version=policy_version,
         step=step, sample_index=[r % n for r in rows], data_source=[dataset.data_sources[i] for i in index],
         extra_info=[dataset.extra_infos[i] for i in index])
     if roles.reward is not None and len(batch):
