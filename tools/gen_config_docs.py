@@ -54,6 +54,8 @@ DESCRIPTIONS: dict[str, str] = {
     "checkpoint": "checkpoint cadence, retention and resume",
     "logging": "metric sinks (TensorBoard, JSONL, Prometheus, wandb, MLflow), sample tables, progress, log level",
     "slurm": "Slurm job settings (used when submitting; `verl-hpc train` ignores them)",
+    "rollout": "how responses are produced beyond sampling: multi-turn agent episodes with tools (docs/agents.md)",
+    "rollout.multi_turn": "agent episodes: generate, call tools, read their replies, generate again (verl's keys)",
     "run_dir": "output directory (`~`/`$VARS` expand); `--run-dir` wins; unset = `runs/<trainer.run_name>`",
     # model
     "model.path": "local Hugging Face directory of the policy; must hold `config.json` unless `init_preset` is set",
@@ -68,7 +70,9 @@ DESCRIPTIONS: dict[str, str] = {
     "data.train_files": "prompt files (`.parquet`, `.jsonl`, `.json`), read in order and concatenated",
     "data.task": "a built-in synthetic task; its prompts go to `<run_dir>/data/`, read after `train_files`",
     "data.task.name": "which task: `arithmetic` is single-digit addition, `a+b=` → the sum; "
-                      "`arithmetic_preference` the same prompts as DPO pairs (the sum chosen, a wrong one rejected)",
+                      "`arithmetic_preference` the same prompts as DPO pairs (the sum chosen, a wrong one rejected); "
+                      "`hidden_digit` a multi-turn task: call the `peek` tool and answer with the digit it tells "
+                      "(with `rollout.multi_turn` and the `tiny-agent` preset)",
     "data.task.num_prompts": "number of prompts written (rows of `<run_dir>/data/<name>_prompts.parquet`)",
     "data.task.max_operand": "largest operand: prompts are `a+b=` with a, b in 0..max_operand",
     "data.task.seed": "seed of the prompt generator",

@@ -35,6 +35,12 @@ fi
 # tests start: they call tools/verl_ref.sh again, which waits for this install; if PyPI cannot be
 # reached they skip, naming pip's error
 { bash tools/verl_ref.sh >/dev/null 2>&1 || echo "test.sh: could not install the verl 0.9.1 reference; the parity tests skip" >&2; } &
+# bubblewrap: the code tool's strong sandbox backend (without it the tests run the unshare backend only)
+if ! command -v bwrap >/dev/null 2>&1; then
+  bw_pkg=(apt-get install -y -q --no-install-recommends bubblewrap)
+  { DEBIAN_FRONTEND=noninteractive "${bw_pkg[@]}" || { apt-get update -q && DEBIAN_FRONTEND=noninteractive "${bw_pkg[@]}"; }; } \
+    >/dev/null 2>&1 || echo "test.sh: could not install bubblewrap; the sandbox tests run the unshare backend only" >&2
+fi
 export TOKENIZERS_PARALLELISM=false
 if [ "$#" -gt 0 ]; then
   exec .venv/bin/python -m pytest "$@"

@@ -344,3 +344,26 @@ def check_reasoning_gym(gym: ReasoningGymConfig) -> None:
     if gym.system_prompt is not None and gym.system_prompt not in prompts:
         raise FieldError("data.reasoning_gym.system_prompt", f"{gym.system_prompt!r} is not one of "
                          "reasoning-gym's system prompts", f"use one of {', '.join(sorted(prompts))}, or null")
+
+
+def check_multi_turn(cfg: RunConfig) -> None:
+    """Cross-section checks of an enabled `rollout.multi_turn`, before anything starts.
+
+    The tools themselves (importable, typed, documented, valid schemas) are checked by
+    `verl_hpc.roles.agent.load_tools`, which needs the roles layer; the run calls it before
+    the first step.
+    """
+    mt = cfg.rollout.multi_turn
+    if not mt.enable:
+        return
+    field = "rollout.multi_turn"
+    if not mt.tools and mt.tool_config_path is None:
+        raise FieldError(f"{field}.tools", "multi-turn rollouts are enabled but no tool is configured",
+                         "list functions under rollout.multi_turn.tools (module:function) or set tool_config_path")
+    for key in ("tool_config_path", "chat_template"):
+        path = getattr(mt, key)
+        if path is not None and not expand_path(path).is_file():
+            raise FieldError(f"{field}.{key}", f"{path} does not exist", "give the path of an existing file")
+    if cfg.algorithm.estimator.greedy_baseline:
+        raise FieldError("algorithm.adv_estimator", f"{cfg.algorithm.adv_estimator} needs greedy single-turn "
+                         "baselines, which agent episodes do not have", "use grpo, rloo, reinforce_pp or gae")

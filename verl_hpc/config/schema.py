@@ -15,6 +15,7 @@ from pydantic import Field, model_validator
 
 from verl_hpc.config.base import StrictModel
 from verl_hpc.config.dpo import DPOConfig
+from verl_hpc.config.multi_turn import RolloutConfig
 from verl_hpc.config.observability import LoggingConfig
 from verl_hpc.config.presets import PRESETS, expand_preset
 from verl_hpc.config.resources import ResourceConfig
@@ -27,7 +28,7 @@ LOGPROB_CHUNK_TOKENS = 1024
 class TaskConfig(StrictModel):
     """A built-in synthetic task that writes its own prompt file (see verl_hpc.data.tasks)."""
 
-    name: Literal["arithmetic", "arithmetic_preference"] = "arithmetic"
+    name: Literal["arithmetic", "arithmetic_preference", "hidden_digit"] = "arithmetic"
     num_prompts: int = Field(512, ge=1)
     max_operand: int = Field(4, ge=1, le=9)
     seed: int = 0
@@ -371,6 +372,8 @@ class RunConfig(StrictModel):
     data: DataConfig = Field(default_factory=DataConfig)
     reward: RewardConfig | None = None  # required unless algorithm.name: dpo (config/checks.py)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="multi-turn agent episodes "
+                                   "(`rollout.multi_turn`, verl's keys)")
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     resources: ResourceConfig = Field(default_factory=ResourceConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)

@@ -29,6 +29,19 @@ def import_plugins(specs: list[str]) -> None:
 
 
 def resolve_function(spec: str, field: str):  # -> Callable
+    """Import the reward `module:function` or `path/to/file.py:function` and check its signature."""
+    func = import_callable(spec, field)
+    params = inspect.signature(func).parameters
+    takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in params.values())
+    verl = {"data_source", "solution_str", "ground_truth"} <= set(params)  # verl's compute_score
+    if not takes_kwargs and not verl and not {"response", "ground_truth"} <= set(params):
+        raise FieldError(field, f"{spec} must accept (prompt, response, ground_truth) keyword arguments, or "
+                         "verl's (data_source, solution_str, ground_truth, extra_info=None)",
+                         "define it as def score(prompt, response, ground_truth, **kwargs) -> float")
+    return func
+
+
+def import_callable(spec: str, field: str):  # -> Callable
     """Import `module:function` or `path/to/file.py:function` (only what the user named)."""
     module_name, sep, func_name = spec.rpartition(":")
     if not sep or not module_name or not func_name:
@@ -41,13 +54,6 @@ def resolve_function(spec: str, field: str):  # -> Callable
         names = [n for n, v in vars(module).items() if callable(v) and not n.startswith("_")]
         raise FieldError(field, f"{module_name!r} has no function {func_name!r}",
                          f"functions there: {', '.join(sorted(names)[:8]) or 'none'}")
-    params = inspect.signature(func).parameters
-    takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in params.values())
-    verl = {"data_source", "solution_str", "ground_truth"} <= set(params)  # verl's compute_score
-    if not takes_kwargs and not verl and not {"response", "ground_truth"} <= set(params):
-        raise FieldError(field, f"{spec} must accept (prompt, response, ground_truth) keyword arguments, or "
-                         "verl's (data_source, solution_str, ground_truth, extra_info=None)",
-                         "define it as def score(prompt, response, ground_truth, **kwargs) -> float")
     return func
 
 
@@ -65,7 +71,8 @@ def _import_module(module_name: str, field: str):  # -> ModuleType
 def _load_file_module(file_name: str, field: str):  # -> ModuleType
     path = expand_path(file_name).resolve()
     if not path.is_file():
-        raise FieldError(field, f"reward file {path} does not exist", "check the path (relative to the working dir)")
+        what = "reward file" if field.startswith("reward") else "file"
+        raise FieldError(field, f"{what} {path} does not exist", "check the path (relative to the working dir)")
     _check_trusted_file(path, field)
     name = f"verl_hpc_user_{path.stem}_{abs(hash(str(path))) % 10**8}"
     if name in sys.modules:

@@ -13,6 +13,7 @@ from verl_hpc.config.checks import (
     check_batches,
     check_data,
     check_model,
+    check_multi_turn,
     check_reward,
     check_roles,
 )
@@ -34,6 +35,7 @@ def cross_check(cfg: RunConfig) -> None:
     check_data(cfg)
     check_reward(cfg)
     check_roles(cfg)
+    check_multi_turn(cfg)
 
 
 CROSS_CHECKS.append(cross_check)

@@ -39,10 +39,23 @@ SCHEMA = pa.schema([
     *[pa.field(name, pa.list_(pa.float32())) for name in TOKEN_FLOAT_COLUMNS],
 ])
 
+# A multi-turn row (an agent episode) carries four more columns, appended after SCHEMA's, so a
+# single-turn batch keeps SCHEMA exactly (the same IPC bytes as before: recorded rollouts and
+# checkpointed buffers stay interchangeable) and only trajectory batches pay for them.
+TRAJECTORY_FIELDS = (
+    pa.field("loss_mask", pa.list_(pa.int8())),       # per response token: 1 sampled by the model, 0 inserted
+    pa.field("turn_bounds", pa.list_(pa.int32())),    # [start, end) of each assistant turn's sampled tokens
+    pa.field("turn_versions", pa.list_(pa.int64())),  # the policy version that sampled each turn
+    pa.field("trajectory", pa.string()),              # JSON: messages, tool-call log, turn rewards, final answer
+)
+TRAJECTORY_SCHEMA = pa.schema([*SCHEMA, *TRAJECTORY_FIELDS])
+TRAJECTORY_COLUMNS = tuple(f.name for f in TRAJECTORY_FIELDS)
+
 
 _NON_NULLABLE_AT = tuple(i for i, f in enumerate(SCHEMA) if not f.nullable)
 _TOKEN_FLOAT_AT = tuple(SCHEMA.get_field_index(name) for name in TOKEN_FLOAT_COLUMNS)
 _RESPONSES_AT = SCHEMA.get_field_index("response_ids")
+_LOSS_MASK_AT = TRAJECTORY_SCHEMA.get_field_index("loss_mask")
 
 
 class SchemaError(ValueError):
@@ -55,11 +68,12 @@ def validate(batch: pa.RecordBatch) -> None:
     # (docs/benchmarks.md, "the same-node route"): columns are read by position once the
     # schema matches, and lengths are compared as offset bytes, not as numpy arrays.
     schema = batch.schema
-    if schema.equals(SCHEMA):
+    expected = schema_of(batch.schema)
+    if schema.equals(expected):
         column = batch.column
     else:
         names = set(schema.names)
-        for field in SCHEMA:
+        for field in expected:
             if field.name not in names:
                 raise SchemaError(f"rollout batch: column {field.name!r} is missing")
             got = schema.field(field.name).type
@@ -67,7 +81,7 @@ def validate(batch: pa.RecordBatch) -> None:
                 raise SchemaError(f"rollout batch: column {field.name!r} has type {got}, expected {field.type}")
 
         def column(i: int) -> pa.Array:
-            return batch.column(SCHEMA[i].name)
+            return batch.column(expected[i].name)
     for i in _NON_NULLABLE_AT:
         if column(i).null_count:
             raise SchemaError(f"rollout batch: column {SCHEMA[i].name!r} has nulls")
@@ -78,6 +92,14 @@ def validate(batch: pa.RecordBatch) -> None:
             responses = column(_RESPONSES_AT) if responses is None else responses
             if not _same_lengths(col, responses):
                 raise SchemaError(f"rollout batch: column {SCHEMA[i].name!r} lengths differ from response_ids")
+    if expected is TRAJECTORY_SCHEMA and column(_LOSS_MASK_AT).null_count == 0 \
+            and not _same_lengths(column(_LOSS_MASK_AT), column(_RESPONSES_AT)):
+        raise SchemaError("rollout batch: column 'loss_mask' lengths differ from response_ids")
+
+
+def schema_of(schema: pa.Schema) -> pa.Schema:
+    """The layout a batch with these columns has: TRAJECTORY_SCHEMA when it carries any trajectory column."""
+    return TRAJECTORY_SCHEMA if any(name in schema.names for name in TRAJECTORY_COLUMNS) else SCHEMA
 
 
 def _same_lengths(a: pa.ListArray, b: pa.ListArray) -> bool:
@@ -143,23 +165,30 @@ def _occurrences(group_ids: Sequence[int]) -> list[int]:
     return out
 
 
-def _upgrade(batch: pa.RecordBatch) -> pa.RecordBatch:
-    """Batches saved by an earlier version (checkpointed rollout buffers, recorded rollouts).
+def _upgrade(batch: pa.RecordBatch, target: pa.Schema | None = None) -> pa.RecordBatch:
+    """Batches saved by an earlier version (checkpointed rollout buffers, recorded rollouts), or a
+    single-turn batch joining trajectory rows (`target` TRAJECTORY_SCHEMA).
 
     `sample_index` is derived from the row order; a nullable column that did not exist yet
-    (`data_source`, `extra_info`, `baseline_score`, `ground_truth_json`) is all nulls, which is what a
-    dataset without it gives.
+    (`data_source`, `extra_info`, `baseline_score`, `ground_truth_json`, the trajectory columns) is
+    all nulls, which is what a dataset (or a single-turn rollout) without it gives.
     """
+    target = target or schema_of(batch.schema)
     names = set(batch.schema.names)
-    if all(f.name in names for f in SCHEMA):
+    if all(f.name in names for f in target) and batch.schema.equals(target):
         return batch
     arrays = {name: batch.column(name) for name in batch.schema.names}
     if "sample_index" not in names:
         arrays["sample_index"] = pa.array(_occurrences(batch.column("group_id").to_pylist()), pa.int64())
-    for field in SCHEMA:
+    if target is TRAJECTORY_SCHEMA and "loss_mask" not in names:  # a single-turn row: one turn, all the model's
+        lengths = _lengths(batch.column("response_ids"))
+        arrays["loss_mask"] = _ragged([np.ones(n, np.int8) for n in lengths], pa.int8())
+        arrays["turn_bounds"] = _ragged([[0, n] for n in lengths], pa.int32())
+        arrays["turn_versions"] = _ragged([[v] for v in batch.column("policy_version").to_pylist()], pa.int64())
+    for field in target:
         if field.name not in arrays and field.nullable:
             arrays[field.name] = pa.nulls(batch.num_rows, field.type)
-    return pa.RecordBatch.from_arrays([arrays[f.name] for f in SCHEMA], schema=SCHEMA)
+    return pa.RecordBatch.from_arrays([arrays[f.name] for f in target], schema=target)
 
 
 class RolloutBatch:
@@ -203,11 +232,14 @@ class RolloutBatch:
                         policy_version: int, step: int = 0,
                         sample_index: Sequence[int] | None = None,
                         data_source: Sequence[str | None] | None = None,
-                        extra_info: Sequence[str | None] | None = None) -> RolloutBatch:
+                        extra_info: Sequence[str | None] | None = None,
+                        trajectory: dict[str, Sequence[Any]] | None = None) -> RolloutBatch:
         """One row per response; `data_source`/`extra_info` (JSON text) ride along to the reward.
 
         `ground_truth` may hold objects (the dataset's values: text, lists, dicts): each is stored
         as text for display and, when it is not text, as JSON too, so the reward gets it back whole.
+        `trajectory` (multi-turn rows): `loss_mask`, `turn_bounds`, `turn_versions` (lists per row)
+        and `trajectory` (JSON text per row); the batch then has TRAJECTORY_SCHEMA.
         """
         n = len(prompt_ids)
         columns: dict[str, Any] = {
@@ -232,7 +264,14 @@ class RolloutBatch:
             columns[name] = pa.nulls(n, pa.list_(pa.float32()))
         if rollout_logprobs is not None:
             columns["rollout_logprobs"] = _ragged(rollout_logprobs, pa.float32())
-        return cls(pa.RecordBatch.from_arrays([columns[f.name] for f in SCHEMA], schema=SCHEMA))
+        schema = SCHEMA
+        if trajectory is not None:
+            schema = TRAJECTORY_SCHEMA
+            for field in TRAJECTORY_FIELDS:
+                values = trajectory[field.name]
+                columns[field.name] = pa.array(list(values), field.type) if field.name == "trajectory" \
+                    else _ragged(values, field.type.value_type)
+        return cls(pa.RecordBatch.from_arrays([columns[f.name] for f in schema], schema=schema))
 
     def __len__(self) -> int:
         return sum(chunk.num_rows for chunk in self._chunks)
@@ -243,30 +282,55 @@ class RolloutBatch:
         return pa.concat_arrays([chunk.column(name) for chunk in self._chunks])
 
     def has(self, name: str) -> bool:
-        return self.column(name).null_count < len(self)
+        return name in self.schema.names and self.column(name).null_count < len(self)
+
+    @property
+    def schema(self) -> pa.Schema:
+        """SCHEMA, or TRAJECTORY_SCHEMA for multi-turn rows."""
+        return self._chunks[0].schema
+
+    @property
+    def is_trajectory(self) -> bool:
+        return self.schema.equals(TRAJECTORY_SCHEMA)
+
+    def loss_mask(self) -> torch.Tensor:
+        """[B, R] 1 where the model sampled the response token, 0 where it was inserted (tool output,
+        template text) or is padding; single-turn rows: every response token counts."""
+        if not self.has("loss_mask"):
+            lengths = torch.from_numpy(self.response_lengths().astype(np.int64))
+            return (torch.arange(int(lengths.max(initial=0))) < lengths[:, None]).float()
+        return padded(self.column("loss_mask"), pad=0, dtype=torch.float32)
+
+    def model_token_counts(self) -> np.ndarray:
+        """Tokens each row's model sampled: what response-length limits and metrics count."""
+        if not self.has("loss_mask"):
+            return self.response_lengths()
+        return self.loss_mask().sum(dim=1).numpy().astype(np.int64)
 
     def with_columns(self, **columns: pa.Array | np.ndarray | torch.Tensor) -> RolloutBatch:
         """A new batch with columns replaced; per-token tensors are [B, R] padded."""
-        arrays = {f.name: self.record_batch.column(f.name) for f in SCHEMA}
+        schema = self.schema
+        arrays = {f.name: self.record_batch.column(f.name) for f in schema}
         lengths = self.response_lengths()
         for name, value in columns.items():
             if name in TOKEN_FLOAT_COLUMNS and isinstance(value, torch.Tensor):
                 arrays[name] = ragged_from_padded(value, lengths)
             elif isinstance(value, torch.Tensor):
-                arrays[name] = pa.array(value.detach().cpu().numpy(), SCHEMA.field(name).type)
+                arrays[name] = pa.array(value.detach().cpu().numpy(), schema.field(name).type)
             elif isinstance(value, np.ndarray):
-                arrays[name] = pa.array(value, SCHEMA.field(name).type)
+                arrays[name] = pa.array(value, schema.field(name).type)
             else:
                 arrays[name] = value
-        return RolloutBatch(pa.RecordBatch.from_arrays([arrays[f.name] for f in SCHEMA], schema=SCHEMA))
+        return RolloutBatch(pa.RecordBatch.from_arrays([arrays[f.name] for f in schema], schema=schema))
 
     def only(self, columns: Sequence[str]) -> RolloutBatch:
         """The same rows with every optional column not named emptied (all null): what a role that
         reads a few columns is sent, so the bytes on the wire are the ones it reads."""
-        keep = set(columns)
+        keep = {*columns, "loss_mask"}  # which tokens count travels with the tokens
+        schema = self.schema
         arrays = [self.record_batch.column(f.name) if not f.nullable or f.name in keep
-                  else pa.nulls(len(self), f.type) for f in SCHEMA]
-        return RolloutBatch(pa.RecordBatch.from_arrays(arrays, schema=SCHEMA), check=False)
+                  else pa.nulls(len(self), f.type) for f in schema]
+        return RolloutBatch(pa.RecordBatch.from_arrays(arrays, schema=schema), check=False)
 
     def response_lengths(self) -> np.ndarray:
         return _lengths(self.column("response_ids"))
@@ -289,7 +353,13 @@ class RolloutBatch:
         return torch.from_numpy(self.column("score").to_numpy(zero_copy_only=False).astype(np.float32))
 
     def model_inputs(self, pad_id: int) -> dict[str, torch.Tensor]:
-        """[pad.. prompt | response ..pad] token ids, masks and positions for one forward pass."""
+        """[pad.. prompt | response ..pad] token ids, masks and positions for one forward pass.
+
+        `response_mask` is the LOSS mask: the tokens the policy sampled. Every estimator, loss,
+        KL, entropy, aggregation and length metric reads it, so text a tool or the chat template
+        inserted into a multi-turn response never counts. `attention_mask` says which positions
+        hold tokens at all (prompt and the whole response, inserted text included).
+        """
         prompts = padded(self.column("prompt_ids"), pad=pad_id, left=True, dtype=torch.long)
         responses = padded(self.column("response_ids"), pad=pad_id, dtype=torch.long)
         prompt_lens = torch.from_numpy(_lengths(self.column("prompt_ids")).astype(np.int64))
@@ -299,12 +369,15 @@ class RolloutBatch:
         response_mask = (torch.arange(responses.shape[1]) < resp_lens[:, None]).long()
         attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
         position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+        loss_mask = response_mask.float()
+        if self.has("loss_mask"):
+            loss_mask = padded(self.column("loss_mask"), responses.shape[1], pad=0, dtype=torch.float32)
         return {"input_ids": torch.cat([prompts, responses], dim=1), "attention_mask": attention_mask,
-                "position_ids": position_ids, "response_mask": response_mask.float()}
+                "position_ids": position_ids, "response_mask": loss_mask}
 
     def to_ipc(self) -> bytes:
         sink = pa.BufferOutputStream()
-        with pa.ipc.new_stream(sink, SCHEMA) as writer:
+        with pa.ipc.new_stream(sink, self.schema) as writer:
             for chunk in self._chunks:
                 writer.write_batch(chunk)
         return sink.getvalue().to_pybytes()
@@ -323,4 +396,7 @@ class RolloutBatch:
 
     @classmethod
     def concat(cls, batches: Sequence[RolloutBatch]) -> RolloutBatch:
-        return cls(pa.concat_batches([chunk for b in batches for chunk in b._chunks]), check=False)
+        chunks = [chunk for b in batches for chunk in b._chunks]
+        if any(chunk.schema.equals(TRAJECTORY_SCHEMA) for chunk in chunks):  # single-turn rows join as such
+            chunks = [_upgrade(chunk, TRAJECTORY_SCHEMA) for chunk in chunks]
+        return cls(pa.concat_batches(chunks), check=False)

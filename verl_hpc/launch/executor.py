@@ -177,6 +177,7 @@ class SlurmExecutor(Executor):
         from verl_hpc.launch.slurm import JOB_FOLDER
 
         cfg = as_config(config, overrides)
+        refuse_bad_tools(cfg)
         path = self.run_dir_for(cfg, run_dir, config)
         return render_sbatch(cfg, path, path / JOB_FOLDER, self.python)
 
@@ -190,6 +191,7 @@ class SlurmExecutor(Executor):
         from verl_hpc.runtime.state.run_dir import finished_step
 
         cfg = as_config(config, overrides)
+        refuse_bad_tools(cfg)
         path = self.run_dir_for(cfg, run_dir, config)
         for tool in SUBMIT_TOOLS:
             slurm_tool(tool)
@@ -203,6 +205,14 @@ class SlurmExecutor(Executor):
         with contextlib.suppress(OSError):  # a read-only home must not fail a submitted job
             record_job(job)
         return RunHandle(path, job)
+
+
+def refuse_bad_tools(cfg: RunConfig) -> None:
+    """An agent run's tools and template are checked here, not in a job that waited in the queue."""
+    if cfg.rollout.multi_turn.enable:
+        from verl_hpc.launch.train import check_tools
+
+        check_tools(cfg)
 
 
 def submit(config_or_path: ConfigSource, overrides: list[str] | None = None, run_dir: str | Path | None = None,

@@ -43,6 +43,16 @@ def check_local(cfg: RunConfig) -> None:
                               "submit it with `verl-hpc submit CONFIG`, or set nodes: 1")
 
 
+def check_tools(cfg: RunConfig) -> None:
+    """Every agent tool imports, is typed and documented and has a valid schema, and the chat
+    template can hold a tool conversation: refused here, before a run directory exists or a job
+    is submitted, naming the entry (ConfigError). A model still to be built is probed when it is."""
+    if cfg.rollout.multi_turn.enable:
+        from verl_hpc.roles.agent.build import check_agent
+
+        check_agent(cfg)
+
+
 def prepare_run(cfg: RunConfig, run_dir: str | Path | None) -> Path:
     """Make the run directory ready for workers: config.yaml, the model, prompts, the secret.
 
@@ -70,6 +80,7 @@ def train(cfg: RunConfig, run_dir: str | Path | None = None, *, actor_model: Any
 
     check_local(cfg)
     check_machine(cfg)  # devices, NCCL, the vLLM build: before the run directory exists
+    check_tools(cfg)
     if not needs_launcher(cfg):
         from verl_hpc.runtime.embedded import train_in_process
 

@@ -62,6 +62,10 @@ PRESETS: dict[str, ModelPreset] = {
     # A Llama (no attention biases, untied head) of tiny's size, head size 32 for vLLM's CPU attention.
     "tiny-llama": ModelPreset(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
                               intermediate_size=256, vocab_size=64, tie_word_embeddings=False, family="llama"),
+    # tiny with a tool-capable chat template and a ~50-token vocabulary (models/tiny_agent.py): the
+    # built-in multi-turn task; head size 32, so vLLM's CPU attention serves it too.
+    "tiny-agent": ModelPreset(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                              intermediate_size=256, vocab_size=48),
     # ~20M parameters: compute-dominated, for benchmarks.
     "small": ModelPreset(hidden_size=512, num_layers=6, num_heads=8, num_kv_heads=4,
                          intermediate_size=1536, vocab_size=1024, max_position_embeddings=512),
@@ -151,7 +155,12 @@ def init_model(out_dir: str | os.PathLike, preset: str = "tiny", seed: int = 0,
     if out.exists() and any(out.iterdir()) and not is_built(out):
         raise FileExistsError(f"{out} exists and is not a model built by verl-hpc; choose an empty directory")
     spec = PRESETS[preset]
-    tokenizer = build_tokenizer(spec.vocab_size, seed)
+    if preset == "tiny-agent":
+        from verl_hpc.models.tiny_agent import build_agent_tokenizer
+
+        tokenizer = build_agent_tokenizer(spec.vocab_size, seed)
+    else:
+        tokenizer = build_tokenizer(spec.vocab_size, seed)
     model = build_model(spec, len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id, seed)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))

@@ -23,7 +23,7 @@ generation chunk) of N or more rows.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 import psutil
@@ -128,15 +128,26 @@ class ResourceAllocator:
         return out
 
 
-def generate_guarded(engine, prompt_ids: list[list[int]], sampling, allocator: ResourceAllocator | None):
-    """`engine.generate`, retried in smaller chunks of prompts after an OOM (not bit-identical)."""
+def generate_guarded(engine, prompt_ids: list[list[int]], sampling, allocator: ResourceAllocator | None,
+                     stop_token_ids: Sequence[int] = (), max_tokens: Sequence[int] | None = None):
+    """`engine.generate`, retried in smaller chunks of prompts after an OOM (not bit-identical).
+
+    `stop_token_ids` and per-prompt `max_tokens` (an agent turn's end tags and each episode's
+    remaining budget) go with each chunk's own prompts.
+    """
     from verl_hpc.roles.rollout.base import Generation
 
+    def call(start: int, end: int) -> Generation:
+        if not stop_token_ids and max_tokens is None:  # the single-turn call, as every engine takes it
+            return engine.generate(prompt_ids[start:end], sampling)
+        return engine.generate(prompt_ids[start:end], sampling, stop_token_ids=stop_token_ids,
+                               max_tokens=None if max_tokens is None else list(max_tokens[start:end]))
+
     if allocator is None or not prompt_ids:
-        return engine.generate(prompt_ids, sampling)
+        return call(0, len(prompt_ids))
 
     def chunked(size: int) -> Generation:
-        parts = [engine.generate(prompt_ids[i:i + size], sampling) for i in range(0, len(prompt_ids), size)]
+        parts = [call(i, i + size) for i in range(0, len(prompt_ids), size)]
         return Generation([r for p in parts for r in p.response_ids], [lp for p in parts for lp in p.logprobs])
 
     return allocator.run("generate", len(prompt_ids), chunked)

@@ -27,6 +27,7 @@ import torch
 
 from verl_hpc.config.errors import ConfigError
 from verl_hpc.data.rollout_batch import RolloutBatch
+from verl_hpc.data.trajectory import episode_records
 
 ON_ERROR = ("fail", "zero", "skip")
 
@@ -164,10 +165,15 @@ class RuleReward(_Checked):
         """The keyword arguments of each row's call, in the function's own signature."""
         decode = self.tokenizer.batch_decode
         response_ids = batch.column("response_ids").to_pylist()
-        responses = decode(response_ids, skip_special_tokens=True)
+        episodes = episode_records(batch)
+        responses = [e["final_answer"] for e in episodes] if episodes else \
+            decode(response_ids, skip_special_tokens=True)
         truths = ground_truths(batch, scalars_as_text=not self.verl)
         if self.verl:
             infos = [None if e is None else json.loads(e) for e in batch.column("extra_info").to_pylist()]
+            if episodes:  # the whole episode rides in extra_info: messages, tool-call log, turn rewards
+                infos = [{**(info if isinstance(info, dict) else {}), **_episode_info(ep)}
+                         for info, ep in zip(infos, episodes, strict=True)]
             out = [{"data_source": d, "solution_str": r, "ground_truth": t}
                    for d, r, t in zip(batch.column("data_source").to_pylist(), responses, truths, strict=True)]
             for call, info in zip(out, infos, strict=True):
@@ -178,9 +184,11 @@ class RuleReward(_Checked):
             out = [{"prompt": p, "response": r, "ground_truth": t or ""}
                    for p, r, t in zip(prompts, responses, truths, strict=True)]
             eos = self.tokenizer.eos_token_id
-            for call, ids in zip(out, response_ids, strict=True):
+            for row, (call, ids) in enumerate(zip(out, response_ids, strict=True)):
                 if self._pass_finished:
-                    call["finished"] = bool(ids) and ids[-1] == eos
+                    call["finished"] = episodes[row]["finished"] if episodes else bool(ids) and ids[-1] == eos
+                if episodes and self._pass_extra:
+                    call["extra_info"] = _episode_info(episodes[row])
         return [{**call, **self.reward_kwargs} for call in out]
 
     def score(self, batch: RolloutBatch) -> torch.Tensor:
@@ -207,6 +215,12 @@ class RuleReward(_Checked):
     def close(self) -> None:
         if self.pool is not None:
             self.pool.close()
+
+
+def _episode_info(episode: dict[str, Any]) -> dict[str, Any]:
+    """What `compute_score` sees of an episode in `extra_info`."""
+    return {key: episode.get(key) for key in ("messages", "tool_calls", "num_turns", "tool_rewards", "finished",
+                                              "truncated")}
 
 
 def _call(fn: Callable[..., Any], kwargs: dict[str, Any]) -> tuple[str, Any]:

@@ -24,7 +24,7 @@ class OverlongShapedReward:
 
     def score(self, batch: RolloutBatch) -> torch.Tensor:
         base = self.inner.score(batch)
-        lengths = torch.as_tensor(batch.response_lengths())
+        lengths = torch.as_tensor(batch.model_token_counts())  # the model's tokens: tool replies do not count
         penalty = overlong_penalty(lengths, self.max_new_tokens, self.buffer_len, self.penalty_factor)
         if len(batch):
             self.last = {"reward/overlong_penalty/mean": float(penalty.mean()),

@@ -59,12 +59,15 @@ class Roles:
     engine: RolloutEngine | None = None
     reward: RuleReward | ModelReward | None = None
     allocator: ResourceAllocator = field(default_factory=ResourceAllocator)  # generation's OOM retries
+    agent: Any = None  # AgentRollout (roles/agent) when rollout.multi_turn.enable: rows are episodes
 
     @property
     def pad_id(self) -> int:
         return self.tokenizer.pad_token_id
 
     def close(self) -> None:
+        if self.agent is not None:
+            self.agent.close()
         if self.engine is not None:
             self.engine.close()
         close = getattr(self.reward, "close", None)
@@ -212,7 +215,9 @@ def load_dataset(cfg: RunConfig, run_dir: Path, tokenizer,
 def build_reward(cfg: RunConfig, tokenizer, device: torch.device, override: Any = None) -> Any:
     """The rule function or reward model (`override`: the facade's `reward_model=` object),
     with DAPO's overlong penalty on top when `reward.overlong_buffer.enable`."""
-    base = _base_reward(cfg, tokenizer, device, override)
+    from verl_hpc.roles.agent.build import with_tool_rewards
+
+    base = with_tool_rewards(cfg, _base_reward(cfg, tokenizer, device, override))
     overlong = cfg.reward.overlong_buffer
     if not overlong.enable:
         return base
@@ -277,17 +282,21 @@ def build_roles(cfg: RunConfig, run_dir: Path, spec: BuildSpec, actor_model: Any
                             remove_padding=cfg.model.remove_padding)
     if "critic" in spec.hosted:
         roles.critic = _build_critic(cfg, spec, model_dir, dtype, load)
+    roles.allocator = ResourceAllocator(spec.device, cfg.trainer.min_micro_batch_size, cfg.trainer.oom_retry)
     if "rollout" in spec.hosted:
         roles.engine = _build_engine(cfg, spec, roles, model_dir, policy)
         if (spec.rollout_builds_reward and cfg.reward.function_spec is not None) or callable(reward_model):
             roles.reward = build_reward(cfg, tokenizer, spec.device, reward_model)
+        if cfg.rollout.multi_turn.enable:
+            from verl_hpc.roles.agent.build import build_agent
+
+            roles.agent = build_agent(cfg, roles.engine, tokenizer, model_dir, str(run_dir), roles.allocator)
     if "reward" in spec.hosted and roles.reward is None:
         roles.reward = build_reward(cfg, tokenizer, spec.device, reward_model)
     if cfg.data.val_files and ("actor" in spec.hosted or "rollout" in spec.hosted):  # generating, or counting rows
         roles.val_dataset, roles.val_prompt_ids = load_dataset(
             cfg, run_dir, tokenizer, [expand_path(f) for f in cfg.data.val_files])
     trainer = cfg.trainer
-    roles.allocator = ResourceAllocator(spec.device, trainer.min_micro_batch_size, trainer.oom_retry)
     if roles.actor is not None and spec.fsdp_group is None:
         roles.actor.allocator = roles.allocator  # a lone trainer: one allocator, logged and checkpointed
     elif roles.actor is not None:  # training retries only on a lone trainer: an FSDP peer would hang waiting

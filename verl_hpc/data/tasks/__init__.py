@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from verl_hpc.data.tasks import arithmetic, arithmetic_preference
+from verl_hpc.data.tasks import arithmetic, arithmetic_preference, hidden_digit
 
-TASKS = {"arithmetic": arithmetic, "arithmetic_preference": arithmetic_preference}
-TASK_REWARDS = {"arithmetic": "verl_hpc.data.tasks.arithmetic:score"}
+TASKS = {"arithmetic": arithmetic, "arithmetic_preference": arithmetic_preference, "hidden_digit": hidden_digit}
+TASK_REWARDS = {"arithmetic": "verl_hpc.data.tasks.arithmetic:score",
+                "hidden_digit": "verl_hpc.data.tasks.hidden_digit:score"}
 
 
 def write_task_prompts(name: str, out_path: str | Path, num_prompts: int, max_operand: int, seed: int) -> Path:

@@ -7,9 +7,9 @@ weights, so every rollout can be stamped with the policy version that produced i
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -43,17 +43,30 @@ def stop_token_ids(tokenizer, model_dir: str | None = None, model=None) -> list[
 
 @dataclass
 class Generation:
-    """One sampled response per input prompt, EOS included when it was produced."""
+    """One sampled response per input prompt, EOS included when it was produced.
+
+    Replayed agent episodes also carry their loss masks, turn bounds and versions and episode
+    records (`trajectory`, as `RolloutBatch.from_generation(trajectory=...)` takes them) and the
+    prompts they continue (`prompt_ids`: rendered with the tools, not the dataset's own ids).
+    """
 
     response_ids: list[list[int]]
     logprobs: list[list[float]]
+    trajectory: dict[str, list[Any]] | None = None
+    prompt_ids: list[list[int]] | None = None
 
 
 class RolloutEngine(Protocol):
     policy_version: int
 
-    def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig) -> Generation:
-        """Sample one response for each prompt (repeat prompts for n samples)."""
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig,
+                 stop_token_ids: Sequence[int] = (), max_tokens: Sequence[int] | None = None) -> Generation:
+        """Sample one response for each prompt (repeat prompts for n samples).
+
+        `stop_token_ids` end a response like EOS does (kept in it); `max_tokens` gives each prompt
+        its own limit instead of `sampling.max_new_tokens`. The agent loop calls it once per
+        round with every episode that is ready for its next turn.
+        """
         ...
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:

@@ -7,7 +7,7 @@ and exact; in split placement it holds its own copy and `load_weights` copies in
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -27,8 +27,15 @@ class HFRolloutEngine:
         self.policy_version = 0
 
     @torch.no_grad()
-    def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig) -> Generation:
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig,
+                 stop_token_ids: Sequence[int] = (), max_tokens: Sequence[int] | None = None) -> Generation:
+        """`stop_token_ids`: more ids that end a response (kept, like EOS): a multi-turn turn ends at
+        its end-of-turn or tool-call end tag. `max_tokens`: each prompt's own token limit (an
+        episode's remaining budget); the batch samples up to the largest and cuts the others, which
+        is the same distribution as stopping them there (later tokens never influence earlier ones)."""
         width = max(len(p) for p in prompt_ids)
+        stops = [*self.eos_ids, *(int(t) for t in stop_token_ids if int(t) not in self.eos_ids)]
+        limit = max(max_tokens) if max_tokens else sampling.max_new_tokens
         input_ids = torch.full((len(prompt_ids), width), self.pad_id, dtype=torch.long)
         attention = torch.zeros_like(input_ids)
         for row, ids in enumerate(prompt_ids):
@@ -43,7 +50,7 @@ class HFRolloutEngine:
         out = self.model.generate(
             input_ids=input_ids.to(self.device), attention_mask=attention.to(self.device),
             do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k or None,
-            max_new_tokens=sampling.max_new_tokens, pad_token_id=self.pad_id, eos_token_id=self.eos_ids,
+            max_new_tokens=limit, pad_token_id=self.pad_id, eos_token_id=stops,
             output_logits=True, return_dict_in_generate=True,
             # Padding is not an action: a sampled pad would be cut from the sequence by every
             # consumer that strips padding (reward models, the trainer's masks).
@@ -55,7 +62,11 @@ class HFRolloutEngine:
         step_logits = list(out.logits)
         del out
         logprobs = _sampled_logprobs(step_logits, tokens, unsampled_token(self.model), sampling.temperature)
-        return _trim(tokens, logprobs, self.eos_ids, stopper.lengths if stopper else None)
+        out_rows = _trim(tokens, logprobs, stops, stopper.lengths if stopper else None)
+        if max_tokens:
+            out_rows = Generation([r[:n] for r, n in zip(out_rows.response_ids, max_tokens, strict=True)],
+                                  [r[:n] for r, n in zip(out_rows.logprobs, max_tokens, strict=True)])
+        return out_rows
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         params = dict(self.model.named_parameters())

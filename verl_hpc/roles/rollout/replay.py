@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from verl_hpc.data.rollout_batch import RolloutBatch
+from verl_hpc.data.rollout_batch import TRAJECTORY_COLUMNS, RolloutBatch
 from verl_hpc.roles.rollout.base import Generation
 
 RECORD_DIR = "rollouts"
@@ -44,6 +44,7 @@ class ReplayRolloutEngine:
         self.record_dir = Path(record_dir)
         self._step: int | None = None
         self._rows: dict[tuple[int, int], tuple[list[int], list[float], int]] = {}
+        self._episodes: dict[tuple[int, int], dict[str, Any]] = {}  # agent rows: their trajectory columns
 
     def __getattr__(self, name: str) -> Any:  # load_weights, weight_specs, sleep, model, ...
         return getattr(self.inner, name)
@@ -61,7 +62,7 @@ class ReplayRolloutEngine:
         if not files:
             raise ReplayError(f"data.replay_rollouts: no recorded rollouts for step {step} in {self.record_dir} "
                               "(hint: record them with data.record_rollouts: true and as many steps)")
-        self._rows = {}
+        self._rows, self._episodes = {}, {}
         for path in files:
             table = RolloutBatch.from_ipc(path.read_bytes()).record_batch
             cols = {name: table.column(name).to_pylist() for name in
@@ -69,6 +70,10 @@ class ReplayRolloutEngine:
             for g, s, p, r, lp in zip(cols["group_id"], cols["sample_index"], cols["prompt_index"],
                                       cols["response_ids"], cols["rollout_logprobs"], strict=True):
                 self._rows[(g, s)] = (r, lp if lp is not None else [0.0] * len(r), p)
+            if TRAJECTORY_COLUMNS[0] in table.schema.names:  # agent episodes: the whole trajectory replays
+                episodes = {name: table.column(name).to_pylist() for name in ("prompt_ids", *TRAJECTORY_COLUMNS)}
+                for i, key in enumerate(zip(cols["group_id"], cols["sample_index"], strict=True)):
+                    self._episodes[key] = {name: column[i] for name, column in episodes.items()}
         self._step = step
 
     def replay(self, step: int, keys: list[tuple[int, int, int]]) -> Generation:
@@ -84,7 +89,11 @@ class ReplayRolloutEngine:
                                   "trainer.batch_size, sampling.n, seed and data")
             responses.append(list(found[0]))
             logprobs.append(list(found[1]))
-        return Generation(responses, logprobs)
+        if not self._episodes:
+            return Generation(responses, logprobs)
+        rows = [self._episodes[(g, s)] for g, s, _ in keys]  # every id the trainer scores, as sampled
+        return Generation(responses, logprobs, {name: [r[name] for r in rows] for name in TRAJECTORY_COLUMNS},
+                          [r["prompt_ids"] for r in rows])
 
 
 def is_replay(engine: Any) -> bool:

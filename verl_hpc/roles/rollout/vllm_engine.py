@@ -24,7 +24,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from multiprocessing.connection import Connection, Listener
 from pathlib import Path
 from typing import Any
@@ -167,15 +167,37 @@ class VLLMRolloutEngine:
         self.conn.send((command, payload))
         return self._reply(command, self.timeout)
 
-    def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig) -> Generation:
+    def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig,
+                 stop_token_ids: Sequence[int] = (), max_tokens: Sequence[int] | None = None) -> Generation:
+        """One request per prompt. `stop_token_ids`: more ids that end a response (a multi-turn turn's
+        end-of-turn or tool-call end tag); `max_tokens`: each request's own limit (an episode's
+        remaining budget)."""
         # One seed per request, drawn from the trainer's per-step RNG: a resumed run
         # samples exactly what the uninterrupted run sampled.
         seeds = torch.randint(0, 2**31 - 1, (len(prompt_ids),)).tolist()
-        request = {"prompt_ids": prompt_ids, "seeds": seeds, "pad_id": self.pad_id, "eos_ids": self.eos_ids,
-                   "sampling": sampling.model_dump(include={"temperature", "top_p", "top_k", "max_new_tokens",
-                                                            "stop"})}
-        responses, logprobs = self.call("generate", request)
+        responses, logprobs = self.call("generate", self._request(prompt_ids, seeds, sampling, stop_token_ids,
+                                                                  max_tokens))
         return Generation(responses, logprobs)
+
+    def _request(self, prompt_ids: list[list[int]], seeds: list[int], sampling: SamplingConfig,
+                 stop_token_ids: Sequence[int], max_tokens: Sequence[int] | None) -> dict[str, Any]:
+        stops = [*self.eos_ids, *(int(t) for t in stop_token_ids if int(t) not in self.eos_ids)]
+        return {"prompt_ids": prompt_ids, "seeds": seeds, "pad_id": self.pad_id, "eos_ids": stops,
+                "sampling": sampling.model_dump(include={"temperature", "top_p", "top_k", "max_new_tokens", "stop"}),
+                "max_tokens": list(max_tokens) if max_tokens else None}
+
+    def submit(self, keys: list[int], prompt_ids: list[list[int]], seeds: list[int], sampling: SamplingConfig,
+               stop_token_ids: Sequence[int] = (), max_tokens: Sequence[int] | None = None) -> None:
+        """Requests that join the engine's running batch now (continuous batching); `poll` returns
+        them, by `keys`, as they finish. The caller gives each its seed: when a request is
+        submitted depends on tool latency, so its seed must not depend on the order."""
+        request = self._request(prompt_ids, seeds, sampling, stop_token_ids, max_tokens)
+        self.call("submit", {**request, "keys": list(keys)})
+
+    def poll(self, wait: float) -> list[tuple[int, list[int], list[float]]]:
+        """[(key, sampled ids, logprobs)] of submitted requests that finished: the engine steps until
+        one does or `wait` seconds pass."""
+        return [(key, list(ids), list(logprobs)) for key, ids, logprobs in self.call("poll", wait)]
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """Replace the served weights in place (no restart); records bytes and seconds."""

@@ -38,6 +38,10 @@ def generate_rows(roles: Roles, cfg: RunConfig, step: int, indices: list[int], r
     prompt_index = [indices[g] for g in groups]
     prompt_ids = [roles.prompt_ids[i] for i in prompt_index]
     engine = roles.engine
+    if roles.agent is not None and prompt_ids and not is_replay(engine):  # each row an agent episode
+        batch = roles.agent.rows(step, groups, samples, prompt_index, roles.dataset, cfg.algorithm.sampling,
+                                 policy_version)
+        return batch.with_columns(score=roles.reward.score(batch)) if roles.reward is not None else batch
     if is_replay(engine):
         out = engine.replay(step, list(zip(groups, samples, prompt_index, strict=True)))  # type: ignore[union-attr]
     elif prompt_ids:
@@ -45,12 +49,14 @@ def generate_rows(roles: Roles, cfg: RunConfig, step: int, indices: list[int], r
     else:
         out = None
     dataset = roles.dataset
+    if out is not None and out.prompt_ids is not None:  # replayed agent episodes: the prompts they continued
+        prompt_ids = out.prompt_ids
     batch = RolloutBatch.from_generation(
         prompt_ids, out.response_ids if out else [], out.logprobs if out else [], group_ids=groups,
         prompt_index=prompt_index, ground_truth=[dataset.ground_truths[i] for i in prompt_index],
         policy_version=policy_version, step=step, sample_index=samples,
         data_source=[dataset.data_sources[i] for i in prompt_index],
-        extra_info=[dataset.extra_infos[i] for i in prompt_index])
+        extra_info=[dataset.extra_infos[i] for i in prompt_index], trajectory=out.trajectory if out else None)
     if cfg.algorithm.estimator.greedy_baseline:  # before the rows' own scoring: its metrics are theirs
         batch = add_greedy_baselines(roles, cfg, batch)
     if roles.reward is not None and len(batch):

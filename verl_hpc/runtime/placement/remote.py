@@ -36,7 +36,9 @@ from verl_hpc.utils.collective import all_reduce_kept
 STOP = "stop"
 # The optional columns each role reads (the ids, prompts and responses always travel): the rest
 # stay home. The reward's text fields are the dataset's; the critic's update adds its targets.
-READS = {"reward": ("ground_truth", "ground_truth_json", "data_source", "extra_info"), "ref": (), "critic": ()}
+# An agent episode's reward reads its whole conversation (`trajectory`); the loss mask always travels.
+READS = {"reward": ("ground_truth", "ground_truth_json", "data_source", "extra_info", "trajectory"), "ref": (),
+         "critic": ()}
 
 
 class Exchange:

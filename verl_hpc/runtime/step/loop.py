@@ -22,7 +22,13 @@ from verl_hpc.data.rollout_batch import RolloutBatch
 from verl_hpc.runtime.state.seeding import reseed
 from verl_hpc.runtime.step.counters import StepCounters, Timer
 from verl_hpc.runtime.step.dynamic_sampling import filtered_rollouts
-from verl_hpc.runtime.step.metrics import data_metrics_reduced, perf_metrics, prefixed, sync_metrics
+from verl_hpc.runtime.step.metrics import (
+    data_metrics_reduced,
+    episode_metrics_reduced,
+    perf_metrics,
+    prefixed,
+    sync_metrics,
+)
 from verl_hpc.runtime.step.stages import Placement, Stages, StepData, SyncReport
 
 
@@ -155,6 +161,8 @@ class RLTrainer(StepCounters):
         c = self.collectives
         stats = data_metrics_reduced(data.batch.scores(), data.tensors(), self.cfg.algorithm.sampling.max_new_tokens,
                                      c.reduce_sum, c.reduce_max)
+        if self.cfg.rollout.multi_turn.enable:  # agent/*: every rank's episodes, wherever they ran
+            stats.update(episode_metrics_reduced(data.batch, c.reduce_sum, c.reduce_max))
         if not self.seat.is_leader:
             return {}
         self.last_batch = data.batch  # the leader's own rows: the samples TensorBoard shows
@@ -169,7 +177,8 @@ class RLTrainer(StepCounters):
     def samples_text(self, batch: RolloutBatch) -> str:
         count = min(self.cfg.logging.num_samples, len(batch))
         decode = self.stages.decode
-        rows = [f"| `{decode(p)}` | `{decode(r, skip_special_tokens=True)}` | {s:.3f} |" for p, r, s in zip(
+        whole = batch.is_trajectory  # an episode: every turn, tool reply and turn marker shows
+        rows = [f"| `{decode(p)}` | `{decode(r, skip_special_tokens=not whole)}` | {s:.3f} |" for p, r, s in zip(
             batch.column("prompt_ids").to_pylist()[:count], batch.column("response_ids").to_pylist()[:count],
             batch.scores().tolist()[:count], strict=True)]
         return "| prompt | response | score |\n|---|---|---|\n" + "\n".join(rows)

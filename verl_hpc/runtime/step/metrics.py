@@ -13,6 +13,8 @@ from collections.abc import Callable
 import torch
 
 from verl_hpc.algo import masked_mean, masked_sum, masked_var
+from verl_hpc.data.rollout_batch import RolloutBatch
+from verl_hpc.data.trajectory import episode_counts, episode_metrics, episode_records
 
 Reducer = Callable[[torch.Tensor], torch.Tensor]  # a 1-D float64 CPU tensor -> its sum/max over ranks
 MASKED_KEYS = ("advantages", "returns", "values")
@@ -32,7 +34,11 @@ def _masked_stats(prefix: str, values: torch.Tensor, mask: torch.Tensor) -> dict
 
 
 def data_metrics(scores: torch.Tensor, inputs: dict[str, torch.Tensor], max_new_tokens: int) -> dict[str, float]:
-    """Scores, rewards, advantages, returns, values and response lengths of one batch."""
+    """Scores, rewards, advantages, returns, values and response lengths of one batch.
+
+    Response lengths count the tokens the model sampled (the loss mask): a multi-turn row's
+    tool replies are not its length, and `clip_ratio` is the share that used the whole budget.
+    """
     mask = inputs["response_mask"]
     lengths = mask.sum(dim=1)
     out = _stats("critic/score", scores)
@@ -46,9 +52,18 @@ def data_metrics(scores: torch.Tensor, inputs: dict[str, torch.Tensor], max_new_
         out["critic/vf_explained_var"] = float(1.0 - residual_var / (masked_var(inputs["returns"], mask) + 1e-8))
     out.update(_stats("response_length", lengths))
     out["response_length/clip_ratio"] = float((lengths >= max_new_tokens).double().mean())
-    prompt_tokens = inputs["attention_mask"].sum() - mask.sum()
-    out["prompt_length/mean"] = float(prompt_tokens) / mask.shape[0]
+    out["prompt_length/mean"] = float(_prompt_tokens(inputs)) / mask.shape[0]
     return out
+
+
+def _prompt_tokens(inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Prompt tokens of the rows: attended positions left of the response columns.
+
+    Why not attention minus the response mask: the response mask is the loss mask, and a
+    multi-turn response holds inserted tokens (tool replies) that are neither prompt nor model's.
+    """
+    attention = inputs["attention_mask"]
+    return attention[:, :attention.shape[1] - inputs["response_mask"].shape[1]].sum()
 
 
 # --- the same numbers from reductions over the trainer ranks -----------------------------------
@@ -77,7 +92,8 @@ def local_partials(scores: torch.Tensor, inputs: dict[str, torch.Tensor],
     scores = scores.to(mask.device, torch.float64)
     sums = {"rows": mask.new_tensor(float(mask.shape[0])), "score": scores.sum(), "length": lengths.sum(),
             "clipped": (lengths >= max_new_tokens).sum(), "attention": inputs["attention_mask"].sum(),
-            "weight": mask.sum(), "valid": valid.sum()}  # weight: the response tokens (the mask's sum)
+            "weight": mask.sum(), "valid": valid.sum(),  # weight: the model's response tokens (the loss mask)
+            "prompt": _prompt_tokens(inputs).double()}
     maxes: dict[str, torch.Tensor] = {}
     _extremes(maxes, "score", scores)
     _extremes(maxes, "length", lengths)
@@ -136,7 +152,7 @@ def metrics_from_partials(sums: dict[str, float], maxes: dict[str, float],
         out["critic/vf_explained_var"] = 1.0 - residual_var / (returns_var + 1e-8)
     out.update(_stats_of("response_length", sums["length"] / rows, maxes, "length"))
     out["response_length/clip_ratio"] = sums["clipped"] / rows
-    out["prompt_length/mean"] = (sums["attention"] - sums["weight"]) / rows
+    out["prompt_length/mean"] = sums["prompt"] / rows
     out["perf/total_num_tokens"] = sums["attention"]
     return out
 
@@ -163,6 +179,16 @@ def data_metrics_reduced(scores: torch.Tensor, inputs: dict[str, torch.Tensor], 
     if "values" in inputs and "returns" in inputs:
         deviations = _reduce(deviation_partials(inputs, sums), reduce_sum)
     return metrics_from_partials(sums, maxes, deviations)
+
+
+def episode_metrics_reduced(batch: RolloutBatch, reduce_sum: Reducer, reduce_max: Reducer) -> dict[str, float]:
+    """`agent/*` over every trainer rank's episodes of the step, read from the rows' `trajectory`
+    records (so a split run's trainers see what its rollout ranks ran). Every trainer rank must
+    call it when episodes are on: a rank may hold none and still joins the reductions."""
+    sums, maxes = episode_counts(episode_records(batch) or [])
+    sums_t = {k: torch.tensor(v, dtype=torch.float64) for k, v in sums.items()}
+    maxes_t = {k: torch.tensor(v, dtype=torch.float64) for k, v in maxes.items()}
+    return episode_metrics(_reduce(sums_t, reduce_sum), _reduce(maxes_t, reduce_max))
 
 
 def perf_metrics(total_tokens: float, step_seconds: float) -> dict[str, float]:

@@ -54,6 +54,10 @@ def validation_rows(roles: Roles, cfg: RunConfig, start: int, end: int, policy_v
     index = [i for i in range(start, end) for _ in range(val_n)]
     rows = [i * val_n + j for i in range(start, end) for j in range(val_n)]
     prompt_ids = [all_ids[i] for i in index]
+    if roles.agent is not None and index:  # multi-turn: validation rows are episodes too
+        batch = roles.agent.rows(step, [r // n for r in rows], [r % n for r in rows], index, dataset,
+                                 validation_sampling(cfg), policy_version, keep=False)
+        return batch.with_columns(score=roles.reward.score(batch)) if roles.reward is not None else batch
     engine = getattr(roles.engine, "inner", roles.engine)  # a replay engine validates with the real one
     engine.wake_up()  # type: ignore[union-attr]
     out = generate_guarded(engine, prompt_ids, validation_sampling(cfg), roles.allocator) if prompt_ids else None

@@ -22,7 +22,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.flight as flight
 
-from verl_hpc.data.rollout_batch import SCHEMA, RolloutBatch, SchemaError, validate
+from verl_hpc.data.rollout_batch import RolloutBatch, SchemaError, schema_of, validate
 
 DESCRIPTOR_ROOT = b"rollouts"
 # Why ~4 MB record batches: one huge gRPC message is copied and flow-controlled as a unit
@@ -71,14 +71,19 @@ def parse_stream_descriptor(descriptor: flight.FlightDescriptor) -> str:
 
 
 def schema_problem(schema: pa.Schema) -> str | None:
-    """Name the first column that is missing, mistyped or unexpected; None if all fit."""
-    for field in SCHEMA:
+    """Name the first column that is missing, mistyped or unexpected; None if all fit.
+
+    Two layouts travel: single-turn rows (SCHEMA) and agent episodes (TRAJECTORY_SCHEMA, the
+    same columns and four more); a batch carrying any trajectory column must carry them all.
+    """
+    expected = schema_of(schema)
+    for field in expected:
         if field.name not in schema.names:
             return f"column {field.name!r} is missing"
         got = schema.field(field.name).type
         if got != field.type:
             return f"column {field.name!r} has type {got}, expected {field.type}"
-    extra = [name for name in schema.names if name not in SCHEMA.names]
+    extra = [name for name in schema.names if name not in expected.names]
     return f"unexpected column(s) {extra!r}" if extra else None
 
 
@@ -90,7 +95,8 @@ def check_schema(schema: pa.Schema, where: str) -> None:
 
 
 def assemble(chunks: list[pa.RecordBatch], where: str) -> RolloutBatch:
-    """The received record batches of one put -> one validated batch laid out exactly as SCHEMA.
+    """The received record batches of one put -> one validated batch laid out exactly as its
+    schema (SCHEMA, or TRAJECTORY_SCHEMA for agent episodes).
 
     Why the chunks are validated one by one and not concatenated: every check is per
     row, so it holds for the whole iff it holds for each chunk, and the trainer joins
@@ -99,8 +105,9 @@ def assemble(chunks: list[pa.RecordBatch], where: str) -> RolloutBatch:
     chunks = [chunk for chunk in chunks if chunk.num_rows]
     if not chunks:
         raise flight.FlightServerError(f"{where} rejected: the put carried no rows")
-    if not chunks[0].schema.equals(SCHEMA):  # column order or nullability flags differ (zero-copy fix)
-        chunks = [pa.RecordBatch.from_arrays([c.column(f.name) for f in SCHEMA], schema=SCHEMA) for c in chunks]
+    expected = schema_of(chunks[0].schema)
+    if not chunks[0].schema.equals(expected):  # column order or nullability flags differ (zero-copy fix)
+        chunks = [pa.RecordBatch.from_arrays([c.column(f.name) for f in expected], schema=expected) for c in chunks]
     try:
         for chunk in chunks:
             validate(chunk)

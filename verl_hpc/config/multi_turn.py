@@ -1,0 +1,76 @@
+"""`rollout.multi_turn`: agent episodes with tool calls instead of one sampled response per prompt.
+
+Why verl's names (`enable`, `max_assistant_turns`, `max_user_turns`, `max_parallel_calls`,
+`max_tool_response_length`, `tool_response_truncate_side`, `format`, `tool_config_path`): a verl
+user's multi-turn section maps key for key. What verl has no key for is ours: plain Python
+functions as tools (`tools`), a chat template for a tokenizer whose own ignores `tools=`, the tool
+pool and timeouts, and the code sandbox's limits.
+
+Budgets: `algorithm.sampling.max_new_tokens` is the model's own token budget for the whole
+episode (tool output does not count against it; each turn gets what is left), so response-length
+limits, metrics and the `-norm` aggregation keep meaning "tokens the model wrote".
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from verl_hpc.config.base import StrictModel
+
+
+class SandboxConfig(StrictModel):
+    """Limits of the code tool's child process (`verl_hpc.roles.agent.sandbox`)."""
+
+    backend: Literal["auto", "bwrap", "unshare"] = Field(
+        "auto", description="auto: bubblewrap when `bwrap` is installed, else unshare + rlimits (logged)")
+    cpu_seconds: int = Field(5, ge=1, description="RLIMIT_CPU of the child")
+    memory_mb: int = Field(512, ge=16, description="RLIMIT_AS of the child (address space)")
+    wall_seconds: float = Field(10.0, gt=0, description="the child is killed (its whole PID namespace) after this")
+    max_processes: int = Field(32, ge=1, description="RLIMIT_NPROC for the unprivileged uid the code runs as")
+    max_output_bytes: int = Field(65536, ge=1, description="stdout/stderr kept per run")
+
+
+class MultiTurnConfig(StrictModel):
+    """Episodes of generate -> tool call -> tool reply -> generate, up to the turn and token budgets."""
+
+    enable: bool = Field(False, description="run agent episodes (tool calls) instead of single responses")
+    max_assistant_turns: int = Field(5, ge=1, description="model turns per episode at most (verl's key)")
+    max_user_turns: int | None = Field(None, ge=1, description="tool/environment replies per episode at most "
+                                       "(verl's key); unset = max_assistant_turns")
+    max_parallel_calls: int = Field(1, ge=1, description="tool calls of one turn that run (verl's key); more "
+                                    "get an error message")
+    max_tool_response_length: int = Field(256, ge=1, description="characters of a tool reply kept (verl's key)")
+    tool_response_truncate_side: Literal["left", "middle", "right"] = Field(
+        "middle", description="which part of a long reply is cut (verl's key): left keeps the end")
+    format: str = Field("hermes", description="tool-call format the model writes (a registered parser: hermes "
+                        "= `<tool_call>{json}</tool_call>`, as Qwen templates render tools=)")
+    tool_config_path: str | None = Field(None, description="verl's tool config file: `tools: [{class_name, "
+                                         "config, tool_schema}]`")
+    tools: list[str] = Field(default_factory=list, description="plain functions as tools, `module:function` or "
+                             "`file.py:function`; the schema comes from type hints and the docstring")
+    chat_template: str | None = Field(None, description="a Jinja chat template file that renders tools= (for a "
+                                      "tokenizer whose own template ignores them, e.g. plain ChatML)")
+    tool_timeout_seconds: float = Field(30.0, gt=0, description="a call running longer becomes an error "
+                                        "message to the model")
+    tool_workers: int = Field(64, ge=1, description="tool calls running at once, over all episodes of a step "
+                              "(threads: a call waiting on I/O costs a thread, not a core)")
+    max_response_tokens: int | None = Field(None, ge=1, description="the whole response (model and inserted "
+                                            "tokens) at most; an episode reaching it ends truncated. Unset = "
+                                            "the model's context minus the prompt")
+    deterministic_rounds: bool = Field(False, description="each generation round waits for every tool call the "
+                                       "previous one started: the same seed samples the same episodes (exact "
+                                       "resume), but tool latency is no longer hidden behind generation")
+    add_tool_rewards: bool = Field(False, description="add the rewards tools return (turn-level) to the score")
+    sandbox: SandboxConfig = Field(default_factory=SandboxConfig, description="the code tool's limits")
+
+    @property
+    def user_turns(self) -> int:
+        return self.max_user_turns or self.max_assistant_turns
+
+
+class RolloutConfig(StrictModel):
+    """How responses are produced (verl's `actor_rollout_ref.rollout` keys that are not resources)."""
+
+    multi_turn: MultiTurnConfig = Field(default_factory=MultiTurnConfig)

@@ -1,0 +1,97 @@
+"""The hidden digit: a multi-turn task in which the only way to the answer is the tool's reply.
+
+Every prompt is the same question ("what is in the box"); each row hides its own digit, given
+to the `peek` tool through verl's per-row `extra_info.tools_kwargs.peek.create_kwargs`. The
+model cannot see it, memorise it from the prompt or guess it better than the most frequent
+digit of the data (`best_constant_accuracy`; the digits run 0..`data.task.max_operand`, 0..4 by
+default, so about 1/5): a policy that ignores tool replies is capped there, whatever it does. A policy that calls `peek` and copies the reply scores 1.
+
+The reward is shaped in two steps, both measured necessary for the tiny model: an answer given
+without opening the box scores 0 (a guess is not knowing; without that rule a random policy
+learns to stop calling before it learns to copy, since a call spends turns and tokens a guess
+does not), and opening it then answering earns `LOOK_CREDIT` whatever the answer (without it a
+random policy's reward is right only when it both calls and happens to write the digit, ~1 in 50
+episodes, and most groups have no spread at all; crediting the look alone, measured, teaches a
+policy that calls in every turn and never answers). A policy that looks and ignores the reply still earns at most
+LOOK_CREDIT + (1 - LOOK_CREDIT) x best_constant_accuracy.
+
+Why the tiny model can learn it (`tiny-agent` preset, ~50 tokens, the call one token): a random
+policy ends about one first turn in eight with the call, so most groups of 8 have reward spread
+from the first step. Measured with configs/agent_quickstart.yaml (64 episodes a step): the policy
+opens the box in nearly every episode after ~30 steps; what is then left is "copy the digit of
+the reply". That is not learned yet: with digits 0..3 and 150-200 steps the answer turn never
+learned to end, and the policy settled on a look plus a run-on answer that ignores the reply.
+Scoring is the arithmetic task's: the first integer of the final answer, 1 when that is all it
+says and it ended its turn, 0.5 when it runs on.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from verl_hpc.data.tasks.arithmetic import score as _first_integer_score
+
+QUESTION = "what is in the box"
+LOOK_CREDIT = 0.2  # for opening the box at all: the first thing a random policy must find
+TOOL = "verl_hpc.data.tasks.hidden_digit:peek"
+
+
+def make_examples(num_prompts: int, seed: int, max_digit: int = 9) -> list[dict[str, Any]]:
+    """Rows whose hidden digits are drawn from 0..`max_digit`."""
+    rng = random.Random(seed)
+    rows = []
+    for index in range(num_prompts):
+        digit = rng.randint(0, max_digit)
+        rows.append({"prompt": [{"role": "user", "content": QUESTION}], "ground_truth": str(digit),
+                     "data_source": "hidden_digit",
+                     "extra_info": {"index": index, "tools_kwargs": {"peek": {"create_kwargs": {"digit": digit}}}}})
+    return rows
+
+
+def write_prompts(out_path: str | Path, num_prompts: int, max_operand: int = 9, seed: int = 0) -> Path:
+    """Write the prompts as Parquet (atomically); the task config's `max_operand` is the largest hidden digit."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    out = Path(out_path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    pq.write_table(pa.Table.from_pylist(make_examples(num_prompts, seed, max_operand)), tmp)
+    tmp.replace(out)
+    return out
+
+
+def peek(**state: Any) -> str:
+    """Look inside the box and tell what digit it holds."""
+    return str(state.get("digit", "empty"))
+
+
+def looked(extra_info: dict[str, Any] | None) -> bool:
+    """Whether the episode opened the box: a `peek` call that the tool answered."""
+    calls = (extra_info or {}).get("tool_calls") or []
+    return any(c.get("name") == "peek" and c.get("error") is None for c in calls)
+
+
+def answered(extra_info: dict[str, Any] | None) -> bool:
+    """Whether the episode ended with an answer (its last turn called no tool)."""
+    messages = (extra_info or {}).get("messages") or []
+    return bool(messages) and messages[-1].get("role") == "assistant" and not messages[-1].get("tool_calls")
+
+
+def score(prompt: str, response: str, ground_truth: str, finished: bool | None = None,
+          extra_info: dict[str, Any] | None = None, **_: object) -> float:
+    """0 for an answer given without opening the box (a guess is not knowing what is in it) and for no
+    answer at all; an answer after a look earns LOOK_CREDIT plus the rest for its first integer against
+    the hidden digit (all of it when that is all it says and it ended its turn, half when it runs on)."""
+    if not (looked(extra_info) and answered(extra_info)):
+        return 0.0
+    return LOOK_CREDIT + (1.0 - LOOK_CREDIT) * _first_integer_score(prompt, response, ground_truth, finished)
+
+
+def best_constant_accuracy(num_prompts: int, seed: int, max_digit: int = 9) -> float:
+    """The share of the most frequent hidden digit: the best any policy ignoring the tool can do."""
+    digits = Counter(row["ground_truth"] for row in make_examples(num_prompts, seed, max_digit))
+    return max(digits.values()) / num_prompts

@@ -1,0 +1,44 @@
+"""Reading agent episodes back out of a rollout batch's `trajectory` column.
+
+Why in the data layer: the reward (what `compute_score` sees), the step's `agent/*` metrics
+and the samples view all read the same per-row record, wherever the rows are — beside the
+engine, on a trainer rank, on a reward group — so none of them needs the agent role that
+wrote it.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from verl_hpc.data.rollout_batch import RolloutBatch
+
+EMPTY_EPISODE: dict[str, Any] = {"final_answer": "", "finished": False}
+
+
+def episode_records(batch: RolloutBatch) -> list[dict[str, Any]] | None:
+    """Each row's episode record (messages, tool-call log, final answer, ...); None: single-turn rows."""
+    if not batch.has("trajectory"):
+        return None
+    return [json.loads(t) if t else dict(EMPTY_EPISODE) for t in batch.column("trajectory").to_pylist()]
+
+
+def episode_counts(records: list[dict[str, Any]]) -> tuple[dict[str, float], dict[str, float]]:
+    """(sums, maxima) over episodes: what `agent/*` is made of, ready to be reduced over ranks."""
+    turns = [float(r.get("num_turns", 0)) for r in records]
+    calls = [c for r in records for c in r.get("tool_calls", [])]
+    sums = {"episodes": float(len(records)), "turns": sum(turns), "calls": float(len(calls)),
+            "errors": float(sum(c.get("error") is not None for c in calls)),
+            "tool_seconds": float(sum(c.get("seconds", 0.0) for c in calls)),
+            "truncated": float(sum(bool(r.get("truncated")) for r in records)),
+            "mismatch": float(sum(bool(r.get("template_mismatch")) for r in records))}
+    return sums, {"turns": max(turns, default=0.0)}
+
+
+def episode_metrics(sums: dict[str, float], maxes: dict[str, float]) -> dict[str, float]:
+    """`agent/*` from (reduced) `episode_counts`."""
+    episodes = max(sums["episodes"], 1.0)
+    return {"agent/num_turns/mean": sums["turns"] / episodes, "agent/num_turns/max": maxes["turns"],
+            "agent/tool_calls/mean": sums["calls"] / episodes, "agent/tool_errors": sums["errors"],
+            "agent/tool_time_s": sums["tool_seconds"], "agent/truncated_ratio": sums["truncated"] / episodes,
+            "agent/template_mismatch": sums["mismatch"]}

@@ -1,0 +1,195 @@
+"""The agent loop: every episode of a step in flight, the engine generating for those that are ready.
+
+Why rounds over the ready episodes (the HF engine, which batches only what one call gives it):
+an episode waits for its tools while the others go on. Each round hands every episode that is
+ready for its next turn to the engine in one call, then starts the tool calls of the turns that
+asked for some on the bounded pool and goes straight to the next round with whoever is ready —
+a slow tool holds its own episode only. When nobody is ready it waits for the first tool reply.
+An engine that takes requests one at a time (vLLM's `submit`/`poll`) gets each turn the moment
+its episode is ready instead (continuous.py).
+
+The engine-facing call is the engine's own `generate(context_ids, sampling, stop_token_ids=,
+max_tokens=)`: token ids in, sampled ids and their logprobs out, stopping at the end-of-turn id
+or the parser's tool-call end tag, each episode with its remaining budget of model tokens.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from verl_hpc.roles.agent.continuous import run_continuous, takes_requests
+from verl_hpc.roles.agent.episode import Episode
+from verl_hpc.roles.agent.parsers import ToolCallParser
+from verl_hpc.roles.agent.render import ChatRenderer
+from verl_hpc.roles.agent.tool_runner import ToolOutcome, ToolRunner
+from verl_hpc.roles.allocator import generate_guarded
+
+log = logging.getLogger(__name__)
+
+
+def end_tag_ids(tokenizer: Any, tags: Sequence[str]) -> list[int]:
+    """Ids whose text closes a tool call: the tag when it is one token, and added tokens ending with it."""
+    ids: list[int] = []
+    for tag in tags:
+        encoded = tokenizer.encode(tag, add_special_tokens=False)
+        if len(encoded) == 1:
+            ids.append(int(encoded[0]))
+        for token, token_id in tokenizer.get_added_vocab().items():
+            if token.endswith(tag) and int(token_id) not in ids:
+                ids.append(int(token_id))
+    return ids
+
+
+class AgentLoop:
+    """Runs episodes to the end. `run(...)` -> the finished `Episode`s, in the order given."""
+
+    def __init__(self, engine: Any, tokenizer: Any, renderer: ChatRenderer, parser: ToolCallParser,
+                 runner: ToolRunner, multi_turn: Any, eot_ids: Sequence[int], max_context: int | None = None,
+                 allocator: Any = None):
+        self.engine, self.tokenizer, self.renderer, self.parser, self.runner = \
+            engine, tokenizer, renderer, parser, runner
+        self.allocator = allocator  # generation's OOM retries: a round is cut into smaller chunks
+        self.cfg = multi_turn
+        self.eot_ids = set(int(i) for i in eot_ids)
+        self.tag_ids = set(end_tag_ids(tokenizer, parser.end_tags))
+        self.stop_ids = sorted(self.eot_ids | self.tag_ids)
+        self.max_context = max_context
+        self.max_new_tokens = 0  # the model's token budget of the episodes in flight (sampling.max_new_tokens)
+        self.round_seconds = 0.0  # the latest round's generation time: how long replies are gathered
+
+    def start(self, key: tuple[int, int, int], prompt: Any, tools_kwargs: dict[str, Any] | None) -> Episode:
+        from verl_hpc.roles.agent.render import as_messages
+
+        return Episode(key, self.renderer.prompt_ids(prompt), as_messages(prompt), dict(tools_kwargs or {}))
+
+    def budget(self, episode: Episode, max_new_tokens: int) -> int:
+        """Tokens the episode's next turn may sample: the model's budget left, within the length caps."""
+        left = max_new_tokens - episode.model_tokens
+        if self.cfg.max_response_tokens is not None:
+            left = min(left, self.cfg.max_response_tokens - len(episode.response_ids))
+        if self.max_context is not None:
+            left = min(left, self.max_context - len(episode.prompt_ids) - len(episode.response_ids))
+        return left
+
+    def run(self, episodes: list[Episode], sampling: Any, version: int) -> list[Episode]:
+        """Every episode to its end; tool calls overlap generation of the other episodes."""
+        self.max_new_tokens = sampling.max_new_tokens
+        if takes_requests(self.engine):  # vLLM: each turn joins the running batch when its episode is ready
+            run_continuous(self, episodes, sampling, version)
+        else:
+            self.run_rounds(episodes, sampling, version)
+        for episode in episodes:
+            self.finish(episode)
+        return episodes
+
+    def run_rounds(self, episodes: list[Episode], sampling: Any, version: int) -> None:
+        """Rounds: every episode ready for its next turn goes to the engine in one call."""
+        ready = [e for e in episodes if not self.ended_by_budget(e, sampling)]
+        waiting: list[Episode] = []
+        while ready or waiting:
+            if ready:
+                self.generate_round(ready, sampling, version)
+                waiting += [e for e in ready if e.pending is not None]
+                ready = []
+                if self.cfg.deterministic_rounds and waiting:  # every reply in before the next round
+                    cf.wait([e.pending for e in waiting])  # type: ignore[misc]
+            elif waiting:
+                self.wait_for_replies([e.pending for e in waiting])  # type: ignore[misc]
+            for episode in [e for e in waiting if e.pending is not None and e.pending.done()]:
+                waiting.remove(episode)
+                self.take_replies(episode, episode.pending.result())  # type: ignore[union-attr]
+                if not self.ended_by_budget(episode, sampling):
+                    ready.append(episode)
+
+    def wait_for_replies(self, pending: list[cf.Future]) -> None:
+        """The first reply, then the others that come within one round's generation time.
+
+        Why gather: an HF round costs about the same for one episode as for all of them, and
+        replies of one round come close together; going on with the first alone would spend a
+        whole round on it and another on each straggler. A reply later than that window (a slow
+        call) does not hold the others: they go on without it.
+        """
+        cf.wait(pending, return_when=cf.FIRST_COMPLETED)
+        cf.wait(pending, timeout=self.round_seconds)
+
+    def ended_by_budget(self, episode: Episode, sampling: Any) -> bool:
+        if episode.done:
+            return True
+        if self.budget(episode, sampling.max_new_tokens) <= 0:
+            episode.end(finished=False, truncated=True)
+            return True
+        return False
+
+    def generate_round(self, ready: list[Episode], sampling: Any, version: int) -> None:
+        """One engine call for every ready episode; each turn is then parsed and its calls started."""
+        limits = [self.budget(e, sampling.max_new_tokens) for e in ready]
+        started = time.perf_counter()
+        out = generate_guarded(self.engine, [e.context() for e in ready], sampling, self.allocator,
+                               stop_token_ids=self.stop_ids, max_tokens=limits)
+        self.round_seconds = time.perf_counter() - started
+        for episode, ids, logprobs in zip(ready, out.response_ids, out.logprobs, strict=True):
+            episode.add_sampled(list(ids), list(logprobs), version)
+            self.after_turn(episode, list(ids))
+
+    def after_turn(self, episode: Episode, ids: list[int]) -> None:
+        """Parse the turn just sampled: a final answer ends the episode, tool calls start on the pool."""
+        closed = bool(ids) and ids[-1] in self.eot_ids
+        episode.last_close = self.tokenizer.decode(ids[-1:], skip_special_tokens=False) if closed else ""
+        text = self.tokenizer.decode(ids[:-1] if closed else ids, skip_special_tokens=False)
+        parsed = self.parser.parse(text)
+        message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+        valid = [c.message_form() for c in parsed.calls if c.error is None]
+        if valid:
+            message["tool_calls"] = valid
+        episode.messages.append(message)
+        if not parsed.calls:
+            episode.final_answer = self._clean(parsed.content)
+            episode.end(finished=closed, truncated=not closed)
+            return
+        out_of_turns = episode.assistant_turns >= self.cfg.max_assistant_turns or \
+            episode.tool_turns >= self.cfg.user_turns
+        if out_of_turns or self.budget(episode, self.max_new_tokens) <= 0:
+            episode.end(finished=False, truncated=True)  # it asked for a tool it has no turn left to use
+            return
+        episode.pending = self.runner.submit(episode.name, parsed.calls, episode.tools_kwargs)
+
+    def take_replies(self, episode: Episode, outcomes: list[ToolOutcome]) -> None:
+        """The tool replies become tool messages; their template text is appended as inserted ids."""
+        episode.pending = None
+        episode.tool_turns += 1
+        turn = episode.assistant_turns
+        replies = []
+        for outcome in outcomes:
+            episode.tool_log.append({"turn": turn, **outcome.log_entry()})
+            episode.tool_rewards += outcome.reward
+            replies.append({"role": "tool", "content": outcome.text})
+        episode.messages.extend(replies)
+        delta = self.renderer.delta_ids(replies, episode.last_close)
+        cap = None if self.cfg.max_response_tokens is None else self.cfg.max_response_tokens - len(episode.response_ids)
+        if self.max_context is not None:
+            room = self.max_context - len(episode.prompt_ids) - len(episode.response_ids)
+            cap = room if cap is None else min(cap, room)
+        if cap is not None and len(delta) >= cap:  # no room left for the model to answer
+            episode.add_inserted(delta[:max(cap, 0)])
+            episode.end(finished=False, truncated=True)
+            return
+        episode.add_inserted(delta)
+
+    def _clean(self, text: str) -> str:
+        for special in self.tokenizer.all_special_tokens:
+            text = text.replace(special, "")
+        return text.strip()
+
+    def finish(self, episode: Episode) -> None:
+        """Tool instances released (their rewards kept); the template's own rendering compared."""
+        episode.tool_rewards += self.runner.finish(episode.name, episode.tools_kwargs)
+        if episode.finished:
+            ours = [*episode.prompt_ids, *episode.response_ids, *self.renderer.closing_ids(episode.last_close)]
+            try:
+                episode.template_mismatch = self.renderer.rendered_ids(episode.messages) != ours
+            except Exception:  # noqa: BLE001 - a template that cannot re-render counts as a mismatch
+                episode.template_mismatch = True

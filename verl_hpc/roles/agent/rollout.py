@@ -1,0 +1,112 @@
+"""The trajectory rollout: a step's rows as agent episodes, returned as one Arrow rollout batch.
+
+Why a role object built once per run: the tools are imported and checked, the chat template is
+probed, the tool pool and its event loop started before the first step — a bad tool or a
+template that cannot hold a tool conversation is refused before anything trains — and every
+step reuses them. A placement asks it for rows exactly as it asks the engine for responses
+(`rows(step, groups, samples, prompt_index, dataset, version)`), so any placement that runs an
+engine can run episodes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from verl_hpc.data.rollout_batch import RolloutBatch
+from verl_hpc.roles.agent.episode import Episode, agent_metrics, trajectory_columns
+from verl_hpc.roles.agent.loop import AgentLoop
+from verl_hpc.roles.agent.parsers import get_parser
+from verl_hpc.roles.agent.render import ChatRenderer
+from verl_hpc.roles.agent.tool_runner import ToolRunner
+from verl_hpc.roles.agent.tools import load_tools
+from verl_hpc.utils.fs import expand_path
+
+log = logging.getLogger(__name__)
+
+
+def tools_kwargs_of(extra_info: str | None) -> dict[str, Any]:
+    """verl's per-row `extra_info.tools_kwargs` ({tool: {create_kwargs, execute_kwargs, ...}})."""
+    if not extra_info:
+        return {}
+    info = json.loads(extra_info)
+    found = info.get("tools_kwargs") if isinstance(info, dict) else None
+    return found if isinstance(found, dict) else {}
+
+
+def checked_renderer(multi_turn: Any, tokenizer: Any, schemas: list[dict[str, Any]]) -> ChatRenderer:
+    """The run's chat template (`chat_template`, else the tokenizer's) over these tools, refused in
+    one line if it cannot hold a tool conversation."""
+    template = None
+    if multi_turn.chat_template is not None:
+        template = expand_path(multi_turn.chat_template).read_text()
+    renderer = ChatRenderer(tokenizer, schemas, template, f"rollout.multi_turn.chat_template {multi_turn.chat_template}")
+    renderer.check_tool_capable()
+    return renderer
+
+
+class AgentRollout:
+    """Tools, template, parser and loop of a run; `rows(...)` samples a step's rows as episodes."""
+
+    def __init__(self, multi_turn: Any, engine: Any, tokenizer: Any, eot_ids: list[int],
+                 max_context: int | None = None, allocator: Any = None):
+        self.cfg = multi_turn
+        self.tools = load_tools(multi_turn)
+        self.renderer = checked_renderer(multi_turn, tokenizer, self.tools.schemas)
+        self.parser = get_parser(multi_turn.format)
+        self.runner = ToolRunner(self.tools, multi_turn.tool_workers, multi_turn.tool_timeout_seconds,
+                                 multi_turn.max_tool_response_length, multi_turn.tool_response_truncate_side,
+                                 multi_turn.max_parallel_calls)
+        self.loop = AgentLoop(engine, tokenizer, self.renderer, self.parser, self.runner, multi_turn, eot_ids,
+                              max_context, allocator)
+        self.last_episodes: list[Episode] = []
+        log.info("multi-turn rollouts: tools %s, format %s, template: %s", ", ".join(self.tools.tools),
+                 multi_turn.format, self.renderer.source)
+
+    def episodes(self, step: int, groups: list[int], samples: list[int], prompts: list[Any],
+                 extra_infos: list[str | None]) -> list[Episode]:
+        return [self.loop.start((step, g, s), prompt, tools_kwargs_of(info))
+                for g, s, prompt, info in zip(groups, samples, prompts, extra_infos, strict=True)]
+
+    def rows(self, step: int, groups: list[int], samples: list[int], prompt_index: list[int], dataset: Any,
+             sampling: Any, version: int, keep: bool = True) -> RolloutBatch:
+        """The step's rows (row = group * n + sample) as finished episodes, unscored; `keep`: their
+        metrics are the step's (validation rows are not)."""
+        episodes = self.episodes(step, groups, samples, [dataset.prompts[i] for i in prompt_index],
+                                 [dataset.extra_infos[i] for i in prompt_index])
+        self.loop.run(episodes, sampling, version)
+        if keep:
+            self.last_episodes = episodes
+        return RolloutBatch.from_generation(
+            [e.prompt_ids for e in episodes], [e.response_ids for e in episodes], [e.logprobs for e in episodes],
+            group_ids=groups, prompt_index=prompt_index, ground_truth=[dataset.answers[i] for i in prompt_index],
+            policy_version=version, step=step, sample_index=samples,
+            data_source=[dataset.data_sources[i] for i in prompt_index],
+            extra_info=[dataset.extra_infos[i] for i in prompt_index], trajectory=trajectory_columns(episodes))
+
+    def metrics(self) -> dict[str, float]:
+        """`agent/*` of the latest step's episodes."""
+        return agent_metrics(self.last_episodes)
+
+    def close(self) -> None:
+        self.runner.close()
+
+
+class ToolRewardAdded:
+    """A reward plus the rewards tools returned during each episode (`add_tool_rewards`)."""
+
+    def __init__(self, inner: Any):
+        self.inner = inner
+
+    def score(self, batch: RolloutBatch) -> Any:
+        import torch
+
+        base = self.inner.score(batch)
+        if not batch.has("trajectory"):
+            return base
+        extra = [json.loads(t)["tool_rewards"] if t else 0.0 for t in batch.column("trajectory").to_pylist()]
+        return base + torch.tensor(extra, dtype=base.dtype)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
