@@ -15,8 +15,9 @@ SINGLE_TURN_FIELDS = [
     ("prompt_index", pa.int64(), False), ("group_id", pa.int64(), False), ("sample_index", pa.int64(), False),
     ("policy_version", pa.int64(), False), ("step", pa.int64(), False),
     ("prompt_ids", pa.list_(pa.int32()), False), ("response_ids", pa.list_(pa.int32()), False),
-    ("ground_truth", pa.string(), True), ("data_source", pa.string(), True), ("extra_info", pa.string(), True),
-    ("score", pa.float32(), True), ("baseline_score", pa.float32(), True),
+    ("ground_truth", pa.string(), True), ("ground_truth_json", pa.string(), True),
+    ("data_source", pa.string(), True), ("extra_info", pa.string(), True),
+    ("score", pa.float32(), True), ("baseline_score", pa.float32(), True), ("judge_verdict", pa.string(), True),
     *[(name, pa.list_(pa.float32()), True) for name in ("rollout_logprobs", "old_logprobs", "ref_logprobs",
                                                          "values", "token_rewards", "advantages", "returns")]]
 

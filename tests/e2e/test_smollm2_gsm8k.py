@@ -15,15 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, run_cli
-
-
-def _load(path: Path):
-    spec = importlib.util.spec_from_file_location(path.stem, path)
-    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    return module
-
+from tests.conftest import REPO, load_module, run_cli, smollm2_dir
 
 SMOKE = ["trainer.total_steps=2", "trainer.batch_size=4", "algorithm.sampling.n=2",  # 2 prompts x 2 samples
          "trainer.val_before_train=false"]
@@ -32,8 +24,8 @@ VLLM_ROLLOUT = ("resources.rollout={device_type: cpu, device_ids: [0], strategy:
 
 
 def train(tmp_path: Path, *overrides: str) -> list[dict]:
-    model_dir = _load(REPO / "tools" / "make_smollm2.py").build()
-    make = _load(REPO / "examples" / "gsm8k" / "make_data.py")
+    model_dir = smollm2_dir()
+    make = load_module(REPO / "examples" / "gsm8k" / "make_data.py")
     data = make.write(tmp_path / "gsm8k", count=4, steps=2)
     val = make.write(tmp_path / "gsm8k_val", count=2, steps=2)
     run_dir = tmp_path / "run"

@@ -13,7 +13,11 @@ from tests.roles.test_chunked_logprobs import EOS, PAD, VOCAB, inputs
 from verl_hpc.models.tiny import PRESETS, build_model
 from verl_hpc.roles.critic import ValueModel
 from verl_hpc.roles.forward import response_logprobs
-from verl_hpc.roles.fsdp import ActivationCheckpointingError, checkpoint_activations
+from verl_hpc.roles.fsdp import (
+    ActivationCheckpointingError,
+    activation_checkpointing_on,
+    checkpoint_activations,
+)
 from verl_hpc.roles.rollout.hf import HFRolloutEngine
 
 
@@ -51,7 +55,7 @@ def test_recomputed_layers_give_the_same_gradients_and_keep_less(preset: str) ->
 def test_value_model_backbone_is_switched() -> None:
     backbone = build_model(PRESETS["tiny"], VOCAB, PAD, EOS, seed=0).model
     critic = checkpoint_activations(ValueModel(backbone, backbone.config.hidden_size))
-    assert critic.backbone.is_gradient_checkpointing
+    assert activation_checkpointing_on(critic)
     values = critic(inputs())
     values.sum().backward()
     assert critic.value_head.weight.grad is not None and backbone.embed_tokens.weight.grad is not None
@@ -106,3 +110,31 @@ def test_a_ppo_run_with_the_memory_switches_matches_the_plain_run(tmp_path, tiny
     for before, after in zip(plain, switched, strict=True):
         for key in ("actor/pg_loss", "actor/entropy", "critic/vf_loss", "critic/score/mean"):
             assert after[key] == pytest.approx(before[key], rel=1e-4, abs=1e-5), key
+
+
+class _NewApiModel(torch.nn.Module):
+    """Only transformers 5.20+'s names: `checkpoint_activations` must call them, not the old ones."""
+
+    supports_gradient_checkpointing = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[dict] = []
+
+    def activation_checkpointing_enable(self, activation_checkpointing_kwargs=None):
+        self.calls.append(activation_checkpointing_kwargs)
+
+    @property
+    def is_activation_checkpointing(self) -> bool:
+        return bool(self.calls)
+
+    def gradient_checkpointing_enable(self, **_):
+        raise AssertionError("the deprecated name was called")
+
+
+def test_the_current_transformers_api_is_used_where_it_exists() -> None:
+    model = _NewApiModel()
+    assert not activation_checkpointing_on(model)
+    checkpoint_activations(model)
+    assert model.calls == [{"use_reentrant": False}]
+    assert activation_checkpointing_on(model)

@@ -27,6 +27,7 @@ EPILOG = """examples:
   verl-hpc train configs/quickstart.yaml                 # runs/quickstart; the same command resumes it
   verl-hpc train configs/quickstart.yaml trainer.total_steps=50 --run-dir runs/short
   verl-hpc config show configs/quickstart.yaml           # the resolved, validated config
+  verl-hpc plan configs/smollm2_gsm8k.yaml               # the memory plan and estimate, without training
   verl-hpc ckpt list runs/quickstart
   verl-hpc verl algorithm.adv_estimator=grpo data.train_files=train.parquet ...   # a verl command line
 
@@ -53,6 +54,28 @@ def _add_config(sub: argparse._SubParsersAction) -> None:
     show.add_argument("config", help="run config YAML")
     show.add_argument("overrides", nargs="*", help="Hydra-style key.path=value overrides")
     show.set_defaults(func=_cmd_config_show)
+
+
+def _add_plan(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="print each process's memory plan and estimated peak, without training")
+    p.add_argument("config", help="run config YAML")
+    p.add_argument("overrides", nargs="*", help="Hydra-style key.path=value overrides")
+    p.set_defaults(func=_cmd_plan)
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from verl_hpc.config import load_config
+    from verl_hpc.config.explicit import explicit_fields
+    from verl_hpc.runtime.step.memory import plan_run
+
+    cfg = load_config(args.config, args.overrides)
+    plans = plan_run(cfg, explicit_fields(cfg))  # model.memory_plan: off estimates the switches as written
+    if not plans:
+        raise ConfigError("model.path", f"no config.json in {cfg.model.path} to read the model's shape from",
+                          "build or download the model first (an init_preset model is built by `verl-hpc train`)")
+    for plan in plans:
+        print("\n".join(plan.lines()))
+    return 0
 
 
 def _add_init_model(sub: argparse._SubParsersAction) -> None:
@@ -155,8 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"verl-hpc {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_train, _add_config, _add_init_model, _add_ckpt, _add_export, *SLURM_PARSERS, *ELASTIC_PARSERS,
-                *REPORT_PARSERS, *VERL_PARSERS):
+    for add in (_add_train, _add_config, _add_plan, _add_init_model, _add_ckpt, _add_export, *SLURM_PARSERS,
+                *ELASTIC_PARSERS, *REPORT_PARSERS, *VERL_PARSERS):
         add(sub)
     return parser
 

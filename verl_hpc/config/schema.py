@@ -9,9 +9,9 @@ live in `RunConfig`'s validator so every entry point (CLI, Python API, Slurm) ge
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from verl_hpc.config.base import StrictModel
 from verl_hpc.config.dpo import DPOConfig
@@ -19,6 +19,13 @@ from verl_hpc.config.multi_turn import RolloutConfig
 from verl_hpc.config.observability import LoggingConfig
 from verl_hpc.config.presets import PRESETS, expand_preset
 from verl_hpc.config.resources import ResourceConfig
+from verl_hpc.config.reward import (  # noqa: F401  (re-exported: the reward section's classes)
+    DEFAULT_JUDGE_PROMPT,
+    CustomRewardFunction,
+    JudgeConfig,
+    OverlongBufferConfig,
+    RewardConfig,
+)
 from verl_hpc.config.sources import ReasoningGymConfig
 
 # Tokens per chunk of the log-prob/entropy passes (`model.logprob_chunk_tokens`).
@@ -90,6 +97,26 @@ class ModelConfig(StrictModel):
     param_offload: ParamOffloadConfig = Field(
         default_factory=ParamOffloadConfig, description="accelerator memory freed between passes for the actor's "
         "activations and the rollout's KV cache, for one host-to-device copy of the weights per pass")
+    memory_plan: Literal["auto", "off"] = Field(
+        "auto", description="auto: before the first step, estimate each role's peak memory from the model, batch "
+        "and engine, compare it with what its devices have free, and switch on the memory switches it needs "
+        "(cheapest first) and those that pay for themselves; a switch set in the config is never changed; the "
+        "plan is logged per role and checked against the measured peak every step (docs/memory.md). off: the "
+        "switches as written")
+    memory_budget_gb: float | None = Field(
+        None, gt=0.0, description="with memory_plan: auto, the memory (GB) each process may use, instead of "
+        "what its device has free (host RAM, cgroup and address-space limits on a CPU; the CUDA allocator's "
+        "free memory on a GPU); for `verl-hpc plan` on a login node, or a node shared with other jobs")
+    memory_headroom: float = Field(
+        0.15, ge=0.0, lt=1.0, description="with memory_plan: auto, the share of the budget the plan leaves "
+        "unused for what it does not model (allocator fragmentation, libraries); a measured step peak above "
+        "the estimate by more than this share re-plans at the next step")
+
+    @field_validator("memory_plan", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: object) -> object:
+        """YAML 1.1 reads a bare `off`/`on` as a boolean; take it as the user meant it."""
+        return {False: "off", True: "auto"}.get(value, value) if isinstance(value, bool) else value
 
 
 class DataConfig(StrictModel):
@@ -125,61 +152,6 @@ class DataConfig(StrictModel):
     # sampling: the way to check that two placements compute the same numbers.
     replay_rollouts: str | None = Field(None, description="a `rollouts/` directory recorded by another run: "
                                         "train on its responses instead of sampling (placement checks)")
-
-
-class OverlongBufferConfig(StrictModel):
-    """DAPO's soft overlong punishment (verl's `reward_model.overlong_buffer`)."""
-
-    enable: bool = Field(False, description="add the penalty to every score (DAPO)")
-    len: int = Field(0, ge=0, description="the last `len` tokens before sampling.max_new_tokens, over which "
-                     "the penalty grows from 0 to -penalty_factor")
-    penalty_factor: float = Field(1.0, ge=0.0, description="the penalty at the limit (its negative)")
-
-
-class CustomRewardFunction(StrictModel):
-    """verl's `custom_reward_function`: a Python file and the function in it."""
-
-    path: str = Field(description="a .py file (relative to the working directory)")
-    name: str = Field("compute_score", description="the function's name in that file")
-    reward_kwargs: dict[str, Any] = Field(default_factory=dict, description="extra keyword arguments "
-                                          "for every call (verl's key)")
-
-
-class RewardConfig(StrictModel):
-    """A rule-based function (ours or verl's `compute_score`) or a sequence-classification reward model."""
-
-    function: str | None = None
-    custom_reward_function: CustomRewardFunction | None = Field(None, description="verl's form of a rule "
-                                                                "reward: `{path, name}`")
-    model_path: str | None = None
-    # A score that is not a finite number, or a function that raises: stop the run (fail),
-    # score it 0 (zero), or give it its group's mean (skip); counted in reward/errors.
-    on_error: Literal["fail", "zero", "skip"] = "fail"
-    num_workers: int = Field(1, ge=1, description="processes that run a rule reward in parallel (slow "
-                             "Python: math checks, code execution); 1 = in the scoring process")
-    timeout_seconds: float = Field(60.0, gt=0.0, description="with num_workers > 1: a call running longer "
-                                   "is killed, scores 0 and counts in `reward/timeouts`")
-    overlong_buffer: OverlongBufferConfig = Field(default_factory=OverlongBufferConfig,
-                                                  description="DAPO: penalise responses near the length limit")
-
-    @model_validator(mode="after")
-    def _one_source(self) -> RewardConfig:
-        given = [self.function, self.custom_reward_function, self.model_path]
-        if sum(v is not None for v in given) != 1:
-            raise ValueError("set exactly one of reward.function (module:function), "
-                             "reward.custom_reward_function ({path, name}) or reward.model_path")
-        return self
-
-    @property
-    def function_spec(self) -> str | None:
-        """The rule function as `module:function` or `file.py:function`; None for a reward model."""
-        if self.custom_reward_function is not None:
-            return f"{self.custom_reward_function.path}:{self.custom_reward_function.name}"
-        return self.function
-
-    @property
-    def function_field(self) -> str:
-        return "reward.custom_reward_function" if self.custom_reward_function is not None else "reward.function"
 
 
 class SamplingConfig(StrictModel):

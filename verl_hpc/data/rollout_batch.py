@@ -19,8 +19,7 @@ import torch
 
 from verl_hpc.data.records import answer_json, answer_text
 
-TOKEN_FLOAT_COLUMNS = ("rollout_logprobs", "old_logprobs", "ref_logprobs", "values",
-                       "token_rewards", "advantages", "returns")
+TOKEN_FLOAT_COLUMNS = ("rollout_logprobs", "old_logprobs", "ref_logprobs", "values", "token_rewards", "advantages", "returns")
 
 SCHEMA = pa.schema([
     pa.field("prompt_index", pa.int64(), nullable=False),
@@ -36,12 +35,12 @@ SCHEMA = pa.schema([
     pa.field("extra_info", pa.string()),   # the dataset's `extra_info`, as JSON text (any shape)
     pa.field("score", pa.float32()),
     pa.field("baseline_score", pa.float32()),  # the prompt's greedy response's score (ReMax)
+    pa.field("judge_verdict", pa.string()),  # an LLM judge's raw verdict (reward.judge), for the samples log
     *[pa.field(name, pa.list_(pa.float32())) for name in TOKEN_FLOAT_COLUMNS],
 ])
 
-# A multi-turn row (an agent episode) carries four more columns, appended after SCHEMA's, so a
-# single-turn batch keeps SCHEMA exactly (the same IPC bytes as before: recorded rollouts and
-# checkpointed buffers stay interchangeable) and only trajectory batches pay for them.
+# A multi-turn row (an agent episode) carries four more columns after SCHEMA's: a single-turn batch
+# keeps SCHEMA exactly (recorded rollouts stay interchangeable), only trajectory batches pay for them.
 TRAJECTORY_FIELDS = (
     pa.field("loss_mask", pa.list_(pa.int8())),       # per response token: 1 sampled by the model, 0 inserted
     pa.field("turn_bounds", pa.list_(pa.int32())),    # [start, end) of each assistant turn's sampled tokens
@@ -169,9 +168,9 @@ def _upgrade(batch: pa.RecordBatch, target: pa.Schema | None = None) -> pa.Recor
     """Batches saved by an earlier version (checkpointed rollout buffers, recorded rollouts), or a
     single-turn batch joining trajectory rows (`target` TRAJECTORY_SCHEMA).
 
-    `sample_index` is derived from the row order; a nullable column that did not exist yet
-    (`data_source`, `extra_info`, `baseline_score`, `ground_truth_json`, the trajectory columns) is
-    all nulls, which is what a dataset (or a single-turn rollout) without it gives.
+    `sample_index` is derived from the row order; a nullable column that did not exist yet (`data_source`,
+    `extra_info`, `baseline_score`, `ground_truth_json`, `judge_verdict`, the trajectory columns) is all
+    nulls, which is what a dataset (or a single-turn rollout) without it gives.
     """
     target = target or schema_of(batch.schema)
     names = set(batch.schema.names)
@@ -236,10 +235,9 @@ class RolloutBatch:
                         trajectory: dict[str, Sequence[Any]] | None = None) -> RolloutBatch:
         """One row per response; `data_source`/`extra_info` (JSON text) ride along to the reward.
 
-        `ground_truth` may hold objects (the dataset's values: text, lists, dicts): each is stored
-        as text for display and, when it is not text, as JSON too, so the reward gets it back whole.
-        `trajectory` (multi-turn rows): `loss_mask`, `turn_bounds`, `turn_versions` (lists per row)
-        and `trajectory` (JSON text per row); the batch then has TRAJECTORY_SCHEMA.
+        A non-text `ground_truth` (list, dict) is kept as JSON too: the reward gets it back whole.
+        `trajectory` (multi-turn rows): `loss_mask`, `turn_bounds`, `turn_versions` and `trajectory`
+        per row; the batch then has TRAJECTORY_SCHEMA.
         """
         n = len(prompt_ids)
         columns: dict[str, Any] = {
@@ -257,11 +255,9 @@ class RolloutBatch:
             else pa.nulls(n, pa.string()),
             "extra_info": pa.array(list(extra_info), pa.string()) if extra_info is not None
             else pa.nulls(n, pa.string()),
-            "score": pa.nulls(n, pa.float32()),
-            "baseline_score": pa.nulls(n, pa.float32()),
         }
-        for name in TOKEN_FLOAT_COLUMNS:
-            columns[name] = pa.nulls(n, pa.list_(pa.float32()))
+        for name in ("score", "baseline_score", "judge_verdict", *TOKEN_FLOAT_COLUMNS):  # filled in by later stages
+            columns[name] = pa.nulls(n, SCHEMA.field(name).type)
         if rollout_logprobs is not None:
             columns["rollout_logprobs"] = _ragged(rollout_logprobs, pa.float32())
         schema = SCHEMA

@@ -18,7 +18,7 @@ from verl_hpc.launch.run_files import recorded_launcher
 from verl_hpc.runtime.build import ensure_model, prompt_files
 from verl_hpc.runtime.lifecycle import TrainResult
 from verl_hpc.runtime.state import resize
-from verl_hpc.runtime.state.run_dir import finished_step, prepare_run_dir
+from verl_hpc.runtime.state.run_dir import finished_step, prepare_run_dir, write_explicit
 from verl_hpc.utils.logging import get_logger
 
 log = get_logger("launch")
@@ -63,6 +63,7 @@ def prepare_run(cfg: RunConfig, run_dir: str | Path | None) -> Path:
 
     path = prepare_run_dir(run_dir or cfg.run_dir, cfg)
     (path / "config.yaml").write_text(dump_config(cfg))
+    write_explicit(path, cfg)
     ensure_model(cfg)
     prompt_files(cfg, path)
     create_run_secret(path)

@@ -35,15 +35,33 @@ def checkpoint_activations(model: nn.Module) -> nn.Module:
     FSDP2's units (one gather per layer, recomputed inside the same unit in backward), and
     the non-reentrant form is the one FSDP2 and `torch.compile` support. It acts only in
     training mode, so the rollout's `generate` (eval) and the no-grad passes keep their
-    KV cache and speed. Backbones inside a value model are switched the same way.
+    KV cache and speed. Backbones inside a value model are switched the same way. It may
+    also be set on a model already sharded (the memory plan's re-plan does): it only marks
+    the layers.
+
+    transformers renamed the switch `activation_checkpointing_enable` (5.20+) and warns on
+    every call of the old name; the new one is used where it exists, the old one before.
     """
     target = model.backbone if hasattr(model, "backbone") else model
     if not getattr(target, "supports_gradient_checkpointing", False):
         raise ActivationCheckpointingError(
             f"model.gradient_checkpointing: {type(target).__name__} has no per-layer activation checkpointing; "
             "set model.gradient_checkpointing: false")
-    target.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable = getattr(target, "activation_checkpointing_enable", None)
+    if callable(enable):
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        target.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
+
+
+def activation_checkpointing_on(model: nn.Module) -> bool:
+    """Whether `checkpoint_activations` switched this model (or its value model's backbone) on."""
+    target = model.backbone if hasattr(model, "backbone") else model
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):  # transformers 5.20+, before
+        if hasattr(type(target), name):  # asked of the class: the old property warns when read
+            return bool(getattr(target, name))
+    return False
 
 
 def shard_model(model: nn.Module, group: dist.ProcessGroup, device_type: str,

@@ -98,6 +98,17 @@ class _Checked:
 VERL_ARGS = ("data_source", "solution_str", "ground_truth")  # verl's compute_score(..., extra_info=None)
 
 
+def scored(batch: RolloutBatch, reward: Any) -> RolloutBatch:
+    """`batch` with the reward's scores, and an LLM judge's raw verdicts beside them (the samples log)."""
+    scores = reward.score(batch)
+    verdicts = getattr(reward, "last_verdicts", None)
+    if verdicts is not None and len(verdicts) == len(batch):
+        import pyarrow as pa
+
+        return batch.with_columns(score=scores, judge_verdict=pa.array(verdicts, pa.string()))
+    return batch.with_columns(score=scores)
+
+
 def ground_truths(batch: RolloutBatch, scalars_as_text: bool) -> list[Any]:
     """Each row's ground truth as the dataset holds it: text as text, a list or a dict as itself
     (verl's search-R1 layout: `{"target": [...]}`), as verl hands it to `compute_score`.
@@ -141,6 +152,7 @@ class RuleReward(_Checked):
         self.verl = set(VERL_ARGS) <= set(params)
         self._pass_extra = "extra_info" in params or kwargs
         self._pass_finished = not self.verl and ("finished" in params or kwargs)
+        self.takes_judge = "judge" in params or kwargs  # reward.judge's verdict, when a judge scores too
         self.pool = RewardPool(spec or fn, num_workers, timeout) if num_workers > 1 else None
         self.extra: dict[str, float] = {}
         self.last_timeouts = 0
@@ -192,8 +204,20 @@ class RuleReward(_Checked):
         return [{**call, **self.reward_kwargs} for call in out]
 
     def score(self, batch: RolloutBatch) -> torch.Tensor:
-        calls = self.calls(batch)
-        results = self.pool.run(calls) if self.pool is not None else [_call(self.fn, c) for c in calls]
+        values, problems = self.raw(batch)
+        return self._resolve(batch, values, problems)
+
+    def raw(self, batch: RolloutBatch, per_row: list[dict[str, Any]] | None = None,
+            skip: frozenset[int] = frozenset()) -> tuple[list[float], dict[int, str]]:
+        """Each row's score and each failed row's problem, before `on_error`; `per_row`: keyword
+        arguments added to each row's call (a judge's verdict), `skip`: rows not called (scored 0)."""
+        calls = [{**call, **(per_row[i] if per_row else {})} for i, call in enumerate(self.calls(batch))]
+        wanted = [i for i in range(len(calls)) if i not in skip]
+        ran = self.pool.run([calls[i] for i in wanted]) if self.pool is not None else \
+            [_call(self.fn, calls[i]) for i in wanted]
+        results: list[tuple[str, Any]] = [("ok", 0.0)] * len(calls)
+        for i, result in zip(wanted, ran, strict=True):
+            results[i] = result
         values: list[float] = []
         problems: dict[int, str] = {}
         extras: dict[str, list[float]] = {}
@@ -210,7 +234,7 @@ class RuleReward(_Checked):
                 problems[row] = problem
             values.append(float(value) if status == "ok" and problem is None else 0.0)
         self.extra = {k: sum(v) / len(v) for k, v in extras.items()}
-        return self._resolve(batch, values, problems)
+        return values, problems
 
     def close(self) -> None:
         if self.pool is not None:

@@ -57,7 +57,7 @@ class Roles:
     ref_offload: ParamOffload = field(default_factory=ParamOffload.none)  # model.param_offload.ref
     critic: Critic | None = None
     engine: RolloutEngine | None = None
-    reward: RuleReward | ModelReward | None = None
+    reward: Any = None                             # RuleReward, ModelReward or JudgeReward (roles/)
     allocator: ResourceAllocator = field(default_factory=ResourceAllocator)  # generation's OOM retries
     agent: Any = None  # AgentRollout (roles/agent) when rollout.multi_turn.enable: rows are episodes
 
@@ -224,7 +224,7 @@ def build_reward(cfg: RunConfig, tokenizer, device: torch.device, override: Any 
     return OverlongShapedReward(base, cfg.algorithm.sampling.max_new_tokens, overlong.len, overlong.penalty_factor)
 
 
-def _base_reward(cfg: RunConfig, tokenizer, device: torch.device, override: Any = None) -> RuleReward | ModelReward:
+def _base_reward(cfg: RunConfig, tokenizer, device: torch.device, override: Any = None) -> Any:
     reward = cfg.reward
     on_error = reward.on_error
     if override is not None:
@@ -234,11 +234,19 @@ def _base_reward(cfg: RunConfig, tokenizer, device: torch.device, override: Any 
             return RuleReward(resolve_function(override, "reward_model"), tokenizer, on_error=on_error)
         return ModelReward(str(override), device, on_error=on_error)
     spec = reward.function_spec
+    rule = None
     if spec is not None:
         custom = reward.custom_reward_function
-        return RuleReward(resolve_function(spec, reward.function_field), tokenizer, on_error=on_error, spec=spec,
+        rule = RuleReward(resolve_function(spec, reward.function_field), tokenizer, on_error=on_error, spec=spec,
                           field=reward.function_field, num_workers=reward.num_workers,
                           timeout=reward.timeout_seconds, reward_kwargs=custom.reward_kwargs if custom else None)
+    if reward.judge is not None:
+        from verl_hpc.roles.judge import JudgeReward
+
+        return JudgeReward(reward.judge, tokenizer, device, on_error=on_error, combine=rule,
+                           timeout=cfg.resources.timeout_seconds)
+    if rule is not None:
+        return rule
     return ModelReward(str(expand_path(reward.model_path or "")), device, on_error=on_error)
 
 
@@ -285,7 +293,8 @@ def build_roles(cfg: RunConfig, run_dir: Path, spec: BuildSpec, actor_model: Any
     roles.allocator = ResourceAllocator(spec.device, cfg.trainer.min_micro_batch_size, cfg.trainer.oom_retry)
     if "rollout" in spec.hosted:
         roles.engine = _build_engine(cfg, spec, roles, model_dir, policy)
-        if (spec.rollout_builds_reward and cfg.reward.function_spec is not None) or callable(reward_model):
+        rule_only = cfg.reward.function_spec is not None and not cfg.reward.is_model
+        if (spec.rollout_builds_reward and rule_only) or callable(reward_model):
             roles.reward = build_reward(cfg, tokenizer, spec.device, reward_model)
         if cfg.rollout.multi_turn.enable:
             from verl_hpc.roles.agent.build import build_agent

@@ -22,7 +22,9 @@ from verl_hpc.runtime.placement.one_process import generate_rows, one_process_pl
 from verl_hpc.runtime.placement.remote import RoleService
 from verl_hpc.runtime.process.dist import DistContext
 from verl_hpc.runtime.process.heartbeat import Heartbeat
+from verl_hpc.runtime.state.run_dir import read_explicit
 from verl_hpc.runtime.step.kinds import build_process_roles, step_kind
+from verl_hpc.runtime.step.memory import MemorySeat, attach_watch, plan_process
 from verl_hpc.runtime.step.stages import Placement
 
 __all__ = ["build_distributed", "generate_rows", "one_process_placement"]
@@ -61,7 +63,9 @@ def register_placement(name: str) -> Callable[[PlacementBuilder], PlacementBuild
 def build_distributed(cfg: RunConfig, ctx: DistContext, run_dir: Path, heartbeat: Heartbeat) -> Placement:
     """This worker's placement: colocated when the trainer group generates, else split; a step kind
     that generates nothing (DPO) has the actor and its reference on every trainer rank, no engine."""
-    roles = build_process_roles(cfg, run_dir, build_spec(cfg, ctx, run_dir))
+    spec = build_spec(cfg, ctx, run_dir)
+    cfg, watch = plan_process(cfg, memory_seat(spec, ctx), read_explicit(run_dir), agree=lambda n: group_min(ctx, n))
+    roles = build_process_roles(cfg, run_dir, spec)
     seat = distributed_seat(cfg, ctx)
     collectives = GroupCollectives(ctx, seat.world, seat.is_leader)
     clients = role_clients(cfg, ctx)
@@ -72,7 +76,29 @@ def build_distributed(cfg: RunConfig, ctx: DistContext, run_dir: Path, heartbeat
                                          clients=clients)
         return Placement("distributed", roles, seat, collectives, lifecycle, service=service)
     name = "colocated" if "rollout" in ctx.plan.groups[0].roles else "split"
-    return PLACEMENTS[name](cfg, run_dir, roles, seat, collectives, ctx, heartbeat, clients, service)
+    placement = PLACEMENTS[name](cfg, run_dir, roles, seat, collectives, ctx, heartbeat, clients, service)
+    attach_watch(placement, watch)
+    return placement
+
+
+def memory_seat(spec: BuildSpec, ctx: DistContext) -> MemorySeat:
+    """Where this rank's memory plan applies: its roles, device and group; on a CPU the node's
+    processes share the host's memory, a GPU is its process's own."""
+    shared = ctx.env.local_world_size if spec.device.type == "cpu" else 1
+    return MemorySeat(spec.hosted, spec.device, group_size=ctx.group.size, sharded=spec.fsdp_group is not None,
+                      processes=shared, name=f"{ctx.group.name} rank {ctx.env.rank}")
+
+
+def group_min(ctx: DistContext, value: int) -> int:
+    """The smallest `value` over this rank's group (every rank of a group plans alike)."""
+    import torch.distributed as dist
+
+    from verl_hpc.utils.collective import all_reduce_kept
+
+    tensor = torch.tensor([value], dtype=torch.int64)
+    if ctx.group.size > 1:
+        all_reduce_kept(tensor, dist.ReduceOp.MIN, ctx.process_group)
+    return int(tensor.item())
 
 
 @register_placement("colocated")

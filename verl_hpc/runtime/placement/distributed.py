@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 import torch
 import torch.distributed as dist
 
@@ -72,8 +73,14 @@ class DistributedStages(LocalStages):
     def score(self, batch: RolloutBatch, timer: Timer) -> RolloutBatch | None:
         if "reward" in self.clients:
             with timer("reward"):
-                scores = self.clients["reward"].call(batch)
-            return None if scores is None else batch.with_columns(score=torch.tensor(scores, dtype=torch.float32))
+                answers = self.clients["reward"].call(batch)
+            if answers is None:
+                return None
+            verdicts = [verdict for _, verdict in answers]
+            columns: dict[str, Any] = {"score": torch.tensor([score for score, _ in answers], dtype=torch.float32)}
+            if any(v is not None for v in verdicts):
+                columns["judge_verdict"] = pa.array(verdicts, pa.string())
+            return batch.with_columns(**columns)
         return super().score(batch, timer)
 
     def ref_logprobs(self, data: Any) -> torch.Tensor:

@@ -18,13 +18,16 @@ from verl_hpc.config import RunConfig
 from verl_hpc.data.layout import even_slices
 from verl_hpc.data.rollout_batch import RolloutBatch
 from verl_hpc.metrics import memory_metrics
+from verl_hpc.metrics.memory import GIB, process_probe
 from verl_hpc.roles.allocator import generate_guarded
 from verl_hpc.roles.forward import batched_logprobs, to_device
+from verl_hpc.roles.reward import scored
 from verl_hpc.roles.rollout.replay import is_replay, write_record
 from verl_hpc.runtime.build import Roles
 from verl_hpc.runtime.process.signals import StopFlag
 from verl_hpc.runtime.step.baselines import add_greedy_baselines
 from verl_hpc.runtime.step.counters import Timer
+from verl_hpc.runtime.step.memory import MemoryWatch, apply_live, live_switches, observed_shape
 from verl_hpc.runtime.step.stages import ActorUpdate, Placement, Seat, StepData, SyncReport, seat_layout
 from verl_hpc.runtime.step.validation import validation_rows
 
@@ -60,7 +63,7 @@ def generate_rows(roles: Roles, cfg: RunConfig, step: int, indices: list[int], r
     if cfg.algorithm.estimator.greedy_baseline:  # before the rows' own scoring: its metrics are theirs
         batch = add_greedy_baselines(roles, cfg, batch)
     if roles.reward is not None and len(batch):
-        batch = batch.with_columns(score=roles.reward.score(batch))
+        batch = scored(batch, roles.reward)
     return batch
 
 
@@ -102,6 +105,7 @@ class LocalStages:
 
     def __init__(self, cfg: RunConfig, roles: Roles, seat: Seat, collectives: Any):
         self.cfg, self.roles, self.seat, self.collectives = cfg, roles, seat, collectives
+        self.memory_watch: MemoryWatch | None = None  # model.memory_plan: auto (runtime/step/memory.py)
 
     @property
     def actor(self) -> Any:
@@ -119,7 +123,7 @@ class LocalStages:
     def score(self, batch: RolloutBatch, timer: Timer) -> RolloutBatch | None:
         if batch.column("score").null_count and self.roles.reward is not None:
             with timer("reward"):
-                batch = batch.with_columns(score=self.roles.reward.score(batch))
+                batch = scored(batch, self.roles.reward)
         return batch
 
     def next_round(self, more: bool) -> None:
@@ -193,6 +197,23 @@ class LocalStages:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return self.roles.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def memory_boundary(self, data: StepData) -> dict[str, float]:
+        measured = process_probe().take()
+        watch = self.memory_watch
+        if watch is None:
+            return measured
+        seen = observed_shape(data.inputs)
+        step_peak = measured.get("memory/step_peak_gb", 0.0) * GIB
+
+        def agree_max(value: float) -> float:
+            return float(self.collectives.reduce_max(torch.tensor([value], dtype=torch.float64))[0])
+
+        out = {**measured, **watch.estimate_metrics(seen), **live_switches(self.roles, self.seat.plan)}
+        switches = watch.check(seen, step_peak, agree_max)
+        if switches is not None:
+            apply_live(self.cfg, self.roles, self.seat.plan, switches)
+        return {**out, "memory/plan_replans": float(watch.replans)}
 
 
 class LocalLifecycle:

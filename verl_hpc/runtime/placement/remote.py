@@ -25,8 +25,10 @@ from verl_hpc.data.layout import even_slices, rank_rows, row_position
 from verl_hpc.data.prompts import PromptSampler
 from verl_hpc.data.rollout_batch import RolloutBatch
 from verl_hpc.metrics import memory_metrics
+from verl_hpc.metrics.memory import process_probe
 from verl_hpc.roles.actor import UpdatePlan
 from verl_hpc.roles.forward import batched_logprobs, to_device
+from verl_hpc.roles.reward import scored
 from verl_hpc.runtime.build import Roles
 from verl_hpc.runtime.process.dist import DistContext
 from verl_hpc.runtime.process.heartbeat import Heartbeat
@@ -153,8 +155,10 @@ class RoleService:
         return self.serve_step(step, timer)
 
     def serve_metrics(self, timer: Timer) -> dict[str, float]:
-        """What a serving rank says about its part of a step: its stage seconds and memory."""
-        return {**timer.seconds, **memory_metrics(self.roles.device)}
+        """What a serving rank says about its part of a step: its stage seconds, memory and reward's own."""
+        reward = self.roles.reward
+        extra = reward.metrics() if self.role == "reward" and reward is not None else {}
+        return {**timer.seconds, **memory_metrics(self.roles.device), **process_probe().take(), **extra}
 
     def serve_validation(self, step: int) -> bool:
         """A reward group scores the validation rows too: one exchange more, after the step's."""
@@ -188,8 +192,9 @@ class RoleService:
 
     def compute(self, batch: RolloutBatch) -> list[Any]:
         roles, algo, ctx = self.roles, self.cfg.algorithm, self.ctx
-        if self.role == "reward":
-            return roles.reward.score(batch).tolist()  # type: ignore[union-attr]
+        if self.role == "reward":  # each row's score, and the judge's verdict when a judge scores
+            out = scored(batch, roles.reward)
+            return list(zip(out.scores().tolist(), out.column("judge_verdict").to_pylist(), strict=True))
         inputs = to_device(batch.model_inputs(roles.pad_id), roles.device)
         micro = algo.micro_batch_size or len(batch)
         budget = algo.token_budget

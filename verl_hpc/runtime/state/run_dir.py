@@ -28,6 +28,7 @@ the corrected command can reuse; there is nothing in it a new config could disag
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from pathlib import Path
@@ -42,12 +43,14 @@ from verl_hpc.utils.logging import get_logger
 log = get_logger("run_dir")
 
 HISTORY_FILE = "config_history.yaml"
+EXPLICIT_FILE = "explicit_fields.json"  # the fields the config itself set (config/explicit.py)
 HISTORY_DIR = "config_history"
 ALLOW_ENV = "VERL_HPC_ALLOW_CONFIG_CHANGE"  # set by `verl-hpc train --allow-config-change`
 # Dotted prefixes whose change leaves the run's numbers as they were: no flag needed.
 OPERATIONAL = ("resources", "slurm", "logging", "checkpoint", "run_dir", "reward.on_error",
                "trainer.run_name", "trainer.torch_threads", "trainer.oom_retry", "trainer.min_micro_batch_size",
-               "model.load")  # how the weights reach the ranks, not which weights
+               "model.load",  # how the weights reach the ranks, not which weights
+               "model.memory_plan", "model.memory_budget_gb", "model.memory_headroom")  # switches that keep the numbers
 
 
 def default_run_dir(name: str = "run") -> Path:
@@ -214,6 +217,28 @@ def _free_name(candidate: Path) -> Path:
         if not other.exists():
             return other
         index += 1
+
+
+def write_explicit(path: Path, cfg: RunConfig) -> None:
+    """Record which fields the launching config set, beside `config.yaml` (which lists every field).
+
+    Why: automatic choices (the memory plan) may fill only what the user left out, and the
+    worker processes read the full `config.yaml`, where a default and a choice look alike.
+    """
+    from verl_hpc.config.explicit import explicit_fields
+
+    (Path(path) / EXPLICIT_FILE).write_text(json.dumps(sorted(explicit_fields(cfg)), indent=0) + "\n")
+
+
+def read_explicit(path: Path) -> frozenset[str]:
+    """The fields the run's config set; a run directory without the record keeps every memory switch."""
+    from verl_hpc.config.explicit import MEMORY_SWITCHES
+
+    file = Path(path) / EXPLICIT_FILE
+    try:
+        return frozenset(json.loads(file.read_text()))
+    except (OSError, ValueError):
+        return frozenset(MEMORY_SWITCHES)
 
 
 def history(path: Path) -> list[dict[str, Any]]:

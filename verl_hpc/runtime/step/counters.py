@@ -12,20 +12,25 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from verl_hpc.metrics.memory import PhaseProbe, process_probe
+
 
 class Timer:
-    """Collects `timing_s/<name>` for one step; `on_enter` hears each stage's name (heartbeat)."""
+    """Collects `timing_s/<name>` for one step; `on_enter` hears each stage's name (heartbeat); the
+    process's memory probe (metrics/memory.py) records each stage's peak under the same name."""
 
-    def __init__(self, on_enter: Callable[[str], None] | None = None) -> None:
+    def __init__(self, on_enter: Callable[[str], None] | None = None, probe: PhaseProbe | None = None) -> None:
         self.seconds: dict[str, float] = {}
         self.on_enter = on_enter
+        self.probe = probe
 
     @contextlib.contextmanager
     def __call__(self, name: str) -> Iterator[None]:
         if self.on_enter is not None:
             self.on_enter(name)
         start = time.perf_counter()
-        yield
+        with self.probe.stage(name) if self.probe is not None else contextlib.nullcontext():
+            yield
         key = f"timing_s/{name}"
         self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - start
 
@@ -44,4 +49,4 @@ class StepCounters:
 
     def timer(self) -> Timer:
         step, on_stage = self.step, self.on_stage
-        return Timer(None if on_stage is None else lambda name: on_stage(f"step {step} {name}"))
+        return Timer(None if on_stage is None else lambda name: on_stage(f"step {step} {name}"), process_probe())

@@ -93,8 +93,9 @@ class RLTrainer(StepCounters):
         if self.cfg.data.record_rollouts:  # the rows leave this rank: carry the step's columns
             batch = batch.with_columns(**data.added())
         self.lifecycle.record(self.step, batch)
+        memory = stages.memory_boundary(data)  # every trainer rank: a re-plan is agreed over all of them
         metrics = self.step_metrics(data, self.collectives.mean_metrics(train_metrics), timer, sync)
-        return {**metrics, **intake, "rollout/policy_lag": float(lag)} if metrics else metrics
+        return {**metrics, **memory, **intake, "rollout/policy_lag": float(lag)} if metrics else metrics
 
     def collect_rollouts(self, indices: list[int], timer: Timer) -> tuple[RolloutBatch | None, dict[str, float]]:
         """This rank's scored rows of the step: one generation round, or DAPO's dynamic sampling."""
@@ -175,10 +176,21 @@ class RLTrainer(StepCounters):
         return metrics
 
     def samples_text(self, batch: RolloutBatch) -> str:
+        """The first rows as a Markdown table: prompt, response, score, and an LLM judge's verdict when one scored."""
         count = min(self.cfg.logging.num_samples, len(batch))
         decode = self.stages.decode
         whole = batch.is_trajectory  # an episode: every turn, tool reply and turn marker shows
-        rows = [f"| `{decode(p)}` | `{decode(r, skip_special_tokens=not whole)}` | {s:.3f} |" for p, r, s in zip(
+        verdicts = batch.column("judge_verdict").to_pylist()[:count]
+        judged = any(v is not None for v in verdicts)
+        rows = [f"| `{decode(p)}` | `{decode(r, skip_special_tokens=not whole)}` | {s:.3f} |"
+                + (f" `{_cell(v)}` |" if judged else "") for p, r, s, v in zip(
             batch.column("prompt_ids").to_pylist()[:count], batch.column("response_ids").to_pylist()[:count],
-            batch.scores().tolist()[:count], strict=True)]
-        return "| prompt | response | score |\n|---|---|---|\n" + "\n".join(rows)
+            batch.scores().tolist()[:count], verdicts, strict=True)]
+        head = "| prompt | response | score | judge's verdict |\n|---|---|---|---|\n" if judged else \
+            "| prompt | response | score |\n|---|---|---|\n"
+        return head + "\n".join(rows)
+
+
+def _cell(text: str | None) -> str:
+    """A verdict inside one table cell: on one line, no backticks or pipes to break the table."""
+    return "" if text is None else " ".join(text.split()).replace("`", "'").replace("|", "/")

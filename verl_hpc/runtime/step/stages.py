@@ -171,6 +171,11 @@ class Stages(Protocol):
         """What the roles of this rank say about themselves after a step (memory, retries, reward)."""
         ...
 
+    def memory_boundary(self, data: StepData) -> dict[str, float]:
+        """After a step, on every trainer rank: its measured peaks beside the memory plan's estimate
+        for the step's shape; a plan proved wrong re-plans here (runtime/step/memory.py)."""
+        ...
+
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str: ...
 
 

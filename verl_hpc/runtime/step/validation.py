@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 from verl_hpc.config import RunConfig, SamplingConfig
 from verl_hpc.data.rollout_batch import RolloutBatch
 from verl_hpc.roles.allocator import generate_guarded
+from verl_hpc.roles.reward import scored
 
 if TYPE_CHECKING:
     from verl_hpc.runtime.build import Roles
@@ -68,7 +69,7 @@ def validation_rows(roles: Roles, cfg: RunConfig, start: int, end: int, policy_v
         step=step, sample_index=[r % n for r in rows], data_source=[dataset.data_sources[i] for i in index],
         extra_info=[dataset.extra_infos[i] for i in index])
     if roles.reward is not None and len(batch):
-        batch = batch.with_columns(score=roles.reward.score(batch))
+        batch = scored(batch, roles.reward)
     return batch
 
 
