@@ -42,7 +42,8 @@ VARIANTS: dict[str, list[str]] = {
 }
 SHAPE = ["trainer.batch_size=32", "algorithm.sampling.n=4", "algorithm.sampling.max_new_tokens=64",
          "trainer.total_steps=2", "checkpoint.interval_steps=100", "trainer.torch_threads=2",
-         "logging.progress=off", "algorithm.kl.coef=0.001"]
+         "logging.progress=off", "algorithm.kl.coef=0.001",
+         "~data.val_files", "~trainer.test_freq", "trainer.val_before_train=false"]  # the step alone, no validation
 QUICK_SHAPE = [*SHAPE, "trainer.batch_size=4", "algorithm.sampling.n=2", "algorithm.sampling.max_new_tokens=8"]
 
 

@@ -49,8 +49,8 @@ def main(argv: list[str] | None = None) -> int:
         jobs[lr] = job
     all_completed = True
     for lr, job in jobs.items():
-        status = job.wait(timeout=args.timeout)
-        states = sorted({component["state"] for component in status.values()})
+        job.wait(timeout=args.timeout)  # the job's exit code; its components' states below
+        states = sorted({component["state"] for component in job.status().values()})
         score = final_score(job.run_dir)
         all_completed &= states == ["COMPLETED"]
         shown = f"{score:.4f}" if score is not None else "n/a"

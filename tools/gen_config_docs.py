@@ -60,7 +60,9 @@ DESCRIPTIONS: dict[str, str] = {
     "run_dir": "output directory (`~`/`$VARS` expand); `--run-dir` wins; unset = `runs/<trainer.run_name>`",
     # model
     "model.path": "local Hugging Face directory of the policy; must hold `config.json` unless `init_preset` is set",
-    "model.init_preset": "build a random-weight model + tokenizer of this preset ({presets}) at `path` if missing",
+    "model.init_preset": "build a random-weight model + tokenizer of this preset ({presets}) at `path` when that "
+                         "path is new (said in one line); a path that holds a model is used as it is, one that is "
+                         "a near-typo of a model beside it is refused",
     "model.init_seed": "seed of the weights and tokenizer built by `init_preset`",
     "model.dtype": "parameter dtype of the policy (and critic); CPU training needs `float32`",
     "model.mixed_precision": "compute dtype of forward and backward (FSDP2's param dtype, autocast on a lone rank); master weights, optimizer state and gradient reduction stay fp32. `auto`: `bfloat16` on a CUDA GPU that has it natively, fp32 (`none`) elsewhere, CPUs included; `bfloat16`/`float16` are for GPUs",

@@ -13,10 +13,15 @@ from verl_hpc.utils.version import VERSION as __version__
 
 if TYPE_CHECKING:
     from verl_hpc.api import HybridTrainer
-    from verl_hpc.launch.slurm import SlurmJob, submit
+    from verl_hpc.launch.executor import Executor, LocalExecutor, SlurmExecutor, submit
+    from verl_hpc.launch.handle import RunHandle
 
-__all__ = ["ConfigError", "Dataflow", "HybridTrainer", "RunConfig", "SlurmJob", "__version__", "load_config",
-           "load_resource_config", "submit"]
+    SlurmJob = RunHandle
+
+__all__ = ["ConfigError", "Dataflow", "Executor", "HybridTrainer", "LocalExecutor", "RunConfig", "RunHandle",
+           "SlurmExecutor", "SlurmJob", "__version__", "load_config", "load_resource_config", "submit"]
+
+_EXECUTOR_NAMES = ("Executor", "LocalExecutor", "SlurmExecutor", "submit")
 
 
 def __getattr__(name: str) -> Any:
@@ -24,8 +29,12 @@ def __getattr__(name: str) -> Any:
         from verl_hpc.api import HybridTrainer
 
         return HybridTrainer
-    if name in ("submit", "SlurmJob"):  # submitit loads only when submitting
-        from verl_hpc.launch import slurm
+    if name in _EXECUTOR_NAMES:  # submitit loads only when submitting
+        from verl_hpc.launch import executor
 
-        return getattr(slurm, name)
+        return getattr(executor, name)
+    if name in ("RunHandle", "SlurmJob"):  # SlurmJob: the name the handle of a submitted job had
+        from verl_hpc.launch.handle import RunHandle
+
+        return RunHandle
     raise AttributeError(f"module 'verl_hpc' has no attribute {name!r}")

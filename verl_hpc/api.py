@@ -1,13 +1,13 @@
 """The `HybridTrainer` facade: `HybridTrainer(actor_model=..., reward_model=..., config=...).train()`.
 
-Why a facade apart from the loop: the loop (`verl_hpc.launch.train.train`) runs whatever
-placement a config asks for, in this process when the plan has one process and in
-worker processes otherwise. Workers are fresh interpreters that read only the run's
-config, so this class turns what a user hands it into config first: a `ResourceConfig`
-or a dict becomes a full `RunConfig` (the quickstart fills the sections it lacks), a
-model object is saved under `<run_dir>/init_model`, and a reward function becomes a
-`reward.function` the workers can import. In one process the objects pass through as
-they are (the trained module is the user's own object).
+Why a facade apart from the loop: an executor (`verl_hpc.launch.executor`) runs whatever
+placement a config asks for: `LocalExecutor` in this process when the plan has one process
+and in worker processes otherwise, `SlurmExecutor` as one Slurm job. Workers are fresh
+interpreters that read only the run's config, so this class turns what a user hands it
+into config first: a `ResourceConfig` or a dict becomes a full `RunConfig` (the quickstart
+fills the sections it lacks), a model object is saved under `<run_dir>/init_model`, and a
+reward function becomes a `reward.function` the workers can import. In one process the
+objects pass through as they are (the trained module is the user's own object).
 """
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ from verl_hpc.config import ConfigError, ResourceConfig, RunConfig, load_config,
 from verl_hpc.config.defaults import quickstart
 
 if TYPE_CHECKING:
-    from verl_hpc.launch.train import TrainResult
+    from verl_hpc.launch.executor import Executor
+    from verl_hpc.launch.handle import RunHandle
+    from verl_hpc.runtime.lifecycle import TrainResult
 
 ConfigLike = str | Path | RunConfig | ResourceConfig | dict[str, Any] | None
 
@@ -50,24 +52,38 @@ class HybridTrainer:
         self._check()
 
     def train(self) -> TrainResult:
-        """Run the config's placement to the end (or to a stop signal); as `verl-hpc train` does."""
-        from verl_hpc.launch.train import train
+        """Run the config's placement to the end (or to a stop signal) on this machine; as `verl-hpc train` does."""
+        return self.submit().result()
+
+    def submit(self, executor: Executor | None = None) -> RunHandle:
+        """Start the run with `executor` (default: `LocalExecutor()`, this machine, in the foreground).
+
+        A one-process run in the foreground gets the model and reward objects as they are;
+        everywhere else (worker processes, a background run, a Slurm job) they are written
+        down first: the model under `<run_dir>/init_model`, the reward as an import spec.
+        Example: `trainer.submit(SlurmExecutor()).wait()`.
+        """
+        from verl_hpc.launch.executor import LocalExecutor
         from verl_hpc.runtime.state.run_dir import prepare_run_dir
 
         self._check()
+        executor = executor if executor is not None else LocalExecutor()
+        here = isinstance(executor, LocalExecutor) and not executor.background
         cfg, actor, reward, paths = launch_config(self.config, self._actor_model, self._reward_model,
-                                                  self.run_dir, save=False)
+                                                  self.run_dir, save=False, elsewhere=not here)
         if cfg is not self.config:  # worker processes: the objects must be written down first
             prepare_run_dir(self.run_dir, cfg)
             cfg, actor, reward, paths = launch_config(self.config, self._actor_model, self._reward_model,
-                                                      self.run_dir, save=True)
+                                                      self.run_dir, save=True, elsewhere=not here)
         self._started.set()  # from here on, update_resource asks the run (docs/elastic.md)
         with worker_pythonpath(paths):
-            return train(cfg, self.run_dir, actor_model=actor, reward_model=reward)
+            if isinstance(executor, LocalExecutor):
+                return executor.submit(cfg, self.run_dir, actor_model=actor, reward_model=reward)
+            return executor.submit(cfg, self.run_dir)
 
     def update_resource(self, component: str, device_ids: list[int] | None = None, strategy: str | None = None,
                         **fields: Any) -> Path | None:
-        """Move `component` (a role) to new resources, as `verl_hpc.launch.elastic.update_resource` does.
+        """Move `component` (a role) to new resources, as `RunHandle.update_resource` does.
 
         Before `train()` this trainer's own config changes (validated again, so a bad value
         fails here, naming the field); returns None. Once `train()` has started (from
@@ -76,9 +92,9 @@ class HybridTrainer:
         Example: `trainer.update_resource(component="reward", device_ids=[2, 3], strategy="data_parallel")`.
         """
         if self._started.is_set():
-            from verl_hpc.launch.elastic import update_resource
+            from verl_hpc.launch.handle import RunHandle
 
-            return update_resource(self.run_dir, component, device_ids, strategy, **fields)
+            return RunHandle.attach(self.run_dir).update_resource(component, device_ids, strategy, **fields)
         from verl_hpc.runtime.state.resize import overrides_for
 
         overrides = overrides_for(component, device_ids=device_ids, strategy=strategy, **fields)

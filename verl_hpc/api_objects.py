@@ -140,14 +140,15 @@ def multi_process(cfg: RunConfig) -> bool:
 
 
 def launch_config(cfg: RunConfig, actor_model: Any, reward_model: Any, run_dir: Path,
-                  save: bool) -> tuple[RunConfig, Any, Any, list[str]]:
-    """(config, actor object, reward object, PYTHONPATH entries) to hand `launch.train.train`.
+                  save: bool, elsewhere: bool = False) -> tuple[RunConfig, Any, Any, list[str]]:
+    """(config, actor object, reward object, PYTHONPATH entries) to hand an executor's `submit`.
 
-    One process: the objects pass through. Several: they become config (`cfg` is then a
-    new object): the actor saved to `<run_dir>/init_model` when `save` (else the config
-    only names it, unvalidated, for the run-dir check), the reward as an import spec.
+    One process here: the objects pass through. Several, or `elsewhere` (a background run,
+    a Slurm job): they become config (`cfg` is then a new object): the actor saved to
+    `<run_dir>/init_model` when `save` (else the config only names it, unvalidated, for the
+    run-dir check), the reward as an import spec.
     """
-    if not multi_process(cfg):
+    if not elsewhere and not multi_process(cfg):
         return cfg, actor_model if is_module(actor_model) else None, \
             reward_model if is_reward_object(reward_model) else None, []
     updates: dict[str, Any] = {}

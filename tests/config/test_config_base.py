@@ -86,6 +86,7 @@ def test_every_shipped_config_loads_and_validates(path: Path, tmp_path: Path) ->
         return
     overrides = []
     if path.name.startswith("smollm2_gsm8k"):  # the real model and its data are made by tools this test does not run
-        overrides = ["model.init_preset=tiny", f"data.train_files=[{_gsm8k(tmp_path)}]"]
+        data = _gsm8k(tmp_path)
+        overrides = ["model.init_preset=tiny", f"data.train_files=[{data}]", f"data.val_files=[{data}]"]
     cfg = load_config(path, overrides)
     assert cfg.trainer.total_steps > 0

@@ -44,7 +44,7 @@ def _split_run_dir(tmp_path: Path, reward_ids: list[int]) -> Path:
 
 
 def test_request_is_validated_merged_and_applied_with_history(tmp_path: Path) -> None:
-    from verl_hpc.launch.elastic import RunHandle
+    from verl_hpc.launch.handle import RunHandle
 
     run_dir = _split_run_dir(tmp_path, [3])
     original = (run_dir / "config.yaml").read_text()
@@ -90,7 +90,7 @@ def test_one_process_run_refuses_a_live_resize(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_live_resize_of_the_reward_role_scores_every_rollout_once(tmp_path: Path, tiny_model_dir: Path) -> None:
     """Reward 1 -> 2 workers while training: a checkpointed restart at a step boundary."""
-    from verl_hpc.launch.elastic import RunHandle
+    from verl_hpc.launch.handle import RunHandle
     from verl_hpc.metrics import read_jsonl_metrics
 
     (tmp_path / "spy.py").write_text(RESIZING_SPY)

@@ -78,7 +78,7 @@ def test_a_bad_tool_is_refused_before_the_run_starts(tmp_path) -> None:
 
 
 def test_a_bad_tool_is_refused_before_a_slurm_job_is_submitted(tmp_path) -> None:
-    from verl_hpc.launch.slurm import submit
+    from verl_hpc.launch.executor import submit  # verl_hpc.submit
 
     raw = agent_config(tmp_path / "model")
     raw["rollout"]["multi_turn"]["tools"] = [f"{REPO / 'tests' / 'plugins' / 'agent_tools.py'}:no_doc"]

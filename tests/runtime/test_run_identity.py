@@ -90,10 +90,15 @@ def _wait_for_steps(run_dir: Path, steps: int, proc: subprocess.Popen, timeout: 
 
 
 def test_same_command_resumes_by_name_after_ctrl_c(tmp_path: Path, tiny_model_dir: Path) -> None:
-    """No --run-dir: runs/<config stem> in the working directory; Ctrl-C prints the exact resume command."""
+    """No --run-dir: runs/<config stem> in the working directory; Ctrl-C prints the exact resume command.
+
+    This venv's bin/ is on PATH here, as after activating it, so the short `verl-hpc` works as
+    typed and is what is printed (without it on PATH: tests/utils/test_invocation.py).
+    """
     args = ["train", QUICKSTART, f"model.path={tiny_model_dir}", *SMALL, "trainer.total_steps=60",
             "checkpoint.interval_steps=1"]
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
+           "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
     proc = subprocess.Popen([sys.executable, "-m", "verl_hpc", *args], cwd=tmp_path, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     run_dir = tmp_path / "runs" / "quickstart"

@@ -32,7 +32,7 @@ def _cmd_resize(args: argparse.Namespace) -> int:
     from verl_hpc.launch.elastic import resolve_target
     from verl_hpc.runtime.state.resize import request_resize
 
-    run_dir = resolve_target(args.run)
+    run_dir = resolve_target(args.run)  # a job id: its run directory, through its RunHandle
     path = request_resize(run_dir, args.overrides)
     print(f"resize recorded in {path}")
     print("the run checkpoints at its next step boundary and restarts with the new resources "

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
 import sys
 from collections.abc import Sequence
 
@@ -18,6 +17,7 @@ from verl_hpc.cli.report_cmds import REPORT_PARSERS
 from verl_hpc.cli.slurm_cmds import SLURM_PARSERS
 from verl_hpc.cli.verl_cmds import VERL_PARSERS
 from verl_hpc.config import ConfigError
+from verl_hpc.utils.invocation import command_line
 from verl_hpc.utils.version import VERSION as __version__
 
 EXIT_CONFIG_ERROR = 2
@@ -46,6 +46,8 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                    help="end the run after TIME (Slurm's format: minutes, MM:SS, HH:MM:SS, D-HH:MM:SS) as a Slurm "
                    "job would: it checkpoints at the last step boundary that fits and exits 3; run the same "
                    "command again to continue (docs/slurm.md, Time limits)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print what would run (this process, or each worker with its variables); start nothing")
     p.set_defaults(func=_cmd_train)
 
 
@@ -95,17 +97,22 @@ def _cmd_train(args: argparse.Namespace) -> int:
     from verl_hpc.cli.run_report import train_and_report
     from verl_hpc.config import load_config
     from verl_hpc.config.machine import check_machine
-    from verl_hpc.runtime.state.run_dir import ALLOW_ENV, named_run_dir
+    from verl_hpc.launch.executor import LocalExecutor
+    from verl_hpc.runtime.state.run_dir import ALLOW_ENV
 
     cfg = load_config(args.config, args.overrides)
     check_machine(cfg)  # before the run dir exists: a mismatch must not leave one behind
     limit = _time_limit(args.time_limit)
-    run_dir = args.run_dir or str(named_run_dir(cfg, args.config))
+    executor = LocalExecutor(time_limit_s=limit)
+    run_dir = args.run_dir or str(executor.run_dir_for(cfg, None, args.config))
+    if args.dry_run:
+        print(executor.render(cfg, run_dir), end="")
+        return 0
     if args.allow_config_change:
         os.environ[ALLOW_ENV] = "1"
-    again = shlex.join(["verl-hpc", "train", args.config, *args.overrides, "--run-dir", run_dir,
-                        *(["--time-limit", args.time_limit] if args.time_limit else [])])
-    return train_and_report(cfg, run_dir, again, time_limit_s=limit)
+    again = command_line("train", args.config, *args.overrides, "--run-dir", run_dir,
+                         *(["--time-limit", args.time_limit] if args.time_limit else []))
+    return train_and_report(cfg, run_dir, again, executor)
 
 
 def _time_limit(text: str | None) -> float | None:

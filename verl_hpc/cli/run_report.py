@@ -14,14 +14,25 @@ from typing import Any
 EXIT_NOT_FINISHED = 3  # `train --time-limit` stopped before the end: the same command continues
 
 
-def train_and_report(cfg: Any, run_dir: str, again: str, time_limit_s: float | None = None) -> int:
-    """Run `cfg` (a RunConfig) in `run_dir`; `again` is the command that continues it."""
-    from verl_hpc.checkpoint.layout import CheckpointError
-    from verl_hpc.launch.local import WorkerFailure
-    from verl_hpc.launch.train import train
+def summary(steps: int, metrics: dict[str, float]) -> str:
+    """`steps: N   final <score>: x` and one line per validation metric (the score only when logged)."""
+    score_key = "critic/score/mean" if "critic/score/mean" in metrics else "dpo/reward_accuracy"
+    lines = [f"steps: {steps}" + (f"   final {score_key}: {metrics[score_key]:.4f}" if score_key in metrics else "")]
+    lines += [f"validation:    {key} {value:.4f}" for key, value in sorted(metrics.items())
+              if key.startswith("val-core/")]
+    return "\n".join(lines)
 
+
+def train_and_report(cfg: Any, run_dir: str, again: str, executor: Any = None) -> int:
+    """Run `cfg` (a RunConfig) in `run_dir` with `executor` (default `LocalExecutor()`);
+    `again` is the command that continues it, as the user started the CLI."""
+    from verl_hpc.checkpoint.layout import CheckpointError
+    from verl_hpc.launch.executor import LocalExecutor
+    from verl_hpc.launch.local import WorkerFailure
+
+    executor = executor if executor is not None else LocalExecutor()
     try:
-        result = train(cfg, run_dir=run_dir, time_limit_s=time_limit_s)
+        result = executor.submit(cfg, run_dir).result()
     except (WorkerFailure, CheckpointError) as failure:  # a checkpoint write failed: disk full, I/O error
         # A leading newline: torch's writer threads may still be printing their own traceback,
         # and our one line must start a line of its own.
@@ -29,8 +40,6 @@ def train_and_report(cfg: Any, run_dir: str, again: str, time_limit_s: float | N
         print(f"\nverl-hpc: error: {failure}", file=sys.stderr, flush=True)
         print(f"verl-hpc: {run_dir} is kept; once fixed, continue with: {again}", file=sys.stderr, flush=True)
         return 1
-    score_key = "critic/score/mean" if "critic/score/mean" in result.last_metrics else "dpo/reward_accuracy"
-    score = result.last_metrics.get(score_key)
     print(f"run directory: {result.run_dir}")
     if result.stopped_by in ("deadline", "time limit"):
         how = ("stopped at its deadline" if result.stopped_by == "deadline" else
@@ -41,10 +50,7 @@ def train_and_report(cfg: Any, run_dir: str, again: str, time_limit_s: float | N
         print(f"stopped by {result.stopped_by} after step {result.steps}; the checkpoint is saved. "
               f"To resume: {again}")
         return 128 + getattr(signal.Signals, result.stopped_by, signal.SIGTERM).value
-    print(f"steps: {result.steps}   final {score_key}: {score:.4f}" if score is not None else "")
-    for key, value in sorted(result.last_metrics.items()):
-        if key.startswith("val-core/"):
-            print(f"validation:    {key} {value:.4f}")
+    print(summary(result.steps, result.last_metrics))
     print(f"tensorboard:   tensorboard --logdir {result.run_dir / 'tensorboard'}")
     if result.hf_model_dir is not None:
         print(f"trained model: {result.hf_model_dir}")

@@ -1,9 +1,11 @@
-"""`verl-hpc submit | sbatch | status | logs | cancel`: the Slurm side of the CLI.
+"""`verl-hpc submit | sbatch | status | logs | cancel`: submitting to Slurm, and any run's handle.
 
 Why its own module: main.py stays the local story (train, config, checkpoints); these
-commands share one error policy — a Slurm problem (tools missing, unknown job id, sbatch
-refusing the job) is bad input for the user to fix, printed as one line with exit 2,
-exactly like a config error. Heavy imports (submitit, torch) happen inside the commands.
+commands go through an executor (`submit`) or a `RunHandle` (`status`, `logs`, `cancel`: a
+Slurm job id, or a run directory — a local run's too) and share one error policy — a run
+problem (Slurm's tools missing, an unknown job id, sbatch refusing the job, no such role) is
+bad input for the user to fix, printed as one line with exit 2, exactly like a config
+error. Heavy imports (submitit, torch) happen inside the commands.
 """
 
 from __future__ import annotations
@@ -17,24 +19,25 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from verl_hpc.config import ConfigError
+from verl_hpc.utils.invocation import command_line
 
 if TYPE_CHECKING:
-    from verl_hpc.launch.slurm_job import SlurmJob
+    from verl_hpc.launch.handle import RunHandle
 
 EXIT_BAD_INPUT = 2
 FOLLOW_POLL_S = 1.0
 
 
 def _slurm_errors(func: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
-    """Turn SlurmError/TimeoutError into `verl-hpc: error: ...` and exit code 2."""
+    """Turn RunError (Slurm's included) and TimeoutError into `verl-hpc: error: ...` and exit code 2."""
 
     @functools.wraps(func)
     def wrapper(args: argparse.Namespace) -> int:
-        from verl_hpc.launch.slurm_job import SlurmError
+        from verl_hpc.launch.run_files import RunError
 
         try:
             return func(args)
-        except (SlurmError, TimeoutError) as err:
+        except (RunError, TimeoutError) as err:
             print(f"verl-hpc: error: {err}", file=sys.stderr)
             return EXIT_BAD_INPUT
 
@@ -66,14 +69,14 @@ def _add_sbatch(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_status(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("status", help="a Slurm job's components, restarts, last step and per-role devices")
-    p.add_argument("job_id", help="a Slurm job id, or a run directory (local runs)")
+    p = sub.add_parser("status", help="a run's state per component, restarts, last step and per-role devices")
+    p.add_argument("job_id", help="a Slurm job id, or a run directory (local or submitted from here)")
     p.set_defaults(func=_slurm_errors(_cmd_status))
 
 
 def _add_logs(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("logs", help="print a Slurm job's logs: batch shell and every rank")
-    p.add_argument("job_id")
+    p = sub.add_parser("logs", help="print a run's logs: the batch shell or launcher, and every rank")
+    p.add_argument("job_id", help="a Slurm job id, or a run directory")
     p.add_argument("--role", help="only this role's or group's ranks (actor, rollout, trainer, ...)")
     p.add_argument("--rank", type=int, help="only this global rank")
     p.add_argument("-f", "--follow", action="store_true", help="keep printing new lines until the job ends")
@@ -81,29 +84,31 @@ def _add_logs(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_cancel(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("cancel", help="cancel a Slurm job (all of its components)")
-    p.add_argument("job_id")
+    p = sub.add_parser("cancel", help="cancel a Slurm job (all of its components), or stop a local run")
+    p.add_argument("job_id", help="a Slurm job id, or the run directory of a local run")
     p.set_defaults(func=_slurm_errors(_cmd_cancel))
 
 
 def _cmd_submit(args: argparse.Namespace) -> int:
-    from verl_hpc.launch.slurm import submit
+    from verl_hpc.launch.executor import SlurmExecutor
 
-    result = submit(args.config, args.overrides, run_dir=args.run_dir, dry_run=args.dry_run, python=args.python)
-    if isinstance(result, str):
-        print(result, end="")
+    executor = SlurmExecutor(args.python)
+    if args.dry_run:
+        print(executor.render(args.config, args.run_dir, args.overrides), end="")
         return 0
-    print(f"submitted job {result.job_id}")
-    print(f"job folder: {result.folder}")
-    print(f"run dir:    {result.run_dir}")
-    print(f"follow it:  verl-hpc status {result.job_id}   verl-hpc logs {result.job_id} -f")
+    handle = executor.submit(args.config, args.run_dir, args.overrides)
+    print(f"submitted job {handle.job_id}")
+    print(f"job folder: {handle.folder}")
+    print(f"run dir:    {handle.run_dir}")
+    print(f"follow it:  {command_line('status', str(handle.job_id))}   {command_line('logs', str(handle.job_id), '-f')}")
     return 0
 
 
 def _cmd_sbatch(args: argparse.Namespace) -> int:
     from verl_hpc.config import load_config
-    from verl_hpc.launch.sbatch import render_sbatch, render_template
-    from verl_hpc.launch.slurm import JOB_FOLDER, prepare_submission, resolve_run_dir
+    from verl_hpc.launch.executor import SlurmExecutor
+    from verl_hpc.launch.sbatch import render_template
+    from verl_hpc.launch.slurm import prepare_submission, resolve_run_dir
 
     cfg = load_config(args.config, args.overrides)
     if args.template:
@@ -116,67 +121,94 @@ def _cmd_sbatch(args: argparse.Namespace) -> int:
     if args.prepare:
         prepare_submission(cfg, path)
         print(f"verl-hpc: prepared run directory {path}", file=sys.stderr)
-    print(render_sbatch(cfg, path, path / JOB_FOLDER, args.python or sys.executable), end="")
+    print(SlurmExecutor(args.python).render(cfg, path), end="")
     return 0
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
+    from verl_hpc.launch.handle import RunHandle
+    from verl_hpc.launch.slurm_job import SlurmError
+
+    handle = RunHandle.attach(args.job_id)
+    if handle.kind == "slurm":
+        try:
+            _print_job_table(handle)
+            return 0
+        except SlurmError:
+            if not Path(args.job_id).is_dir():
+                raise  # a job id the controller no longer knows; a run directory still tells its story
+            handle = RunHandle(args.job_id, _run_directory(Path(args.job_id)))
+    _print_local(handle)
+    return 0
+
+
+def _run_directory(run_dir: Path):  # -> RunDirectory
+    from verl_hpc.launch.local_runs import RunDirectory
+
+    return RunDirectory(run_dir.absolute())
+
+
+def _print_local(handle: RunHandle) -> None:
+    """A local run: its directory, last step, state (from its launcher and run state) and devices."""
     from verl_hpc.launch.elastic import device_report
-    from verl_hpc.launch.slurm_job import SlurmJob, last_metrics_step
+    from verl_hpc.utils.devices import get_gpu_usage
 
-    if Path(args.job_id).is_dir():  # a run directory (a local run): what the directory tells
-        step = last_metrics_step(Path(args.job_id) / "tensorboard" / "metrics.jsonl")
-        print(f"run dir: {args.job_id}   last step: {step if step is not None else 'none yet'}")
-        from verl_hpc.utils.devices import get_gpu_usage
+    step = handle.last_step()
+    print(f"run dir: {handle.run_dir}   last step: {step if step is not None else 'none yet'}")
+    states = {c["state"] for c in handle.status().values()}
+    launcher = f" (launcher pid {handle.job_id})" if handle.job_id and "RUNNING" in states else ""
+    print(f"state: {', '.join(sorted(states))}{launcher}")
+    print("\n".join(device_report(handle.run_dir, get_gpu_usage()) + _time_budget(handle.run_dir)))
 
-        print("\n".join(device_report(Path(args.job_id), get_gpu_usage()) + _time_budget(Path(args.job_id))))
-        return 0
-    job = SlurmJob.lookup(args.job_id)
-    status = job.status()
-    print(f"job {job.job_id}   run dir: {job.run_dir or 'unknown'}   job folder: {job.folder}")
+
+def _print_job_table(handle: RunHandle) -> None:
+    """A Slurm job: one row per component, then the run's last step and devices."""
+    from verl_hpc.launch.elastic import device_report
+
+    status = handle.status()
+    print(f"job {handle.job_id}   run dir: {handle.run_dir or 'unknown'}   job folder: {handle.folder}")
     header = ("component", "group", "job id", "state", "restarts", "nodes", "reason")
     rows = [header] + [(str(c["component"]), name, c["job_id"], c["state"], str(c["restarts"]), c["nodes"],
                         c["reason"]) for name, c in status.items()]
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     for row in rows:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())
-    if job.run_dir is not None:
-        step = job.last_step()
-        print(f"last step: {step if step is not None else 'none yet'} (from {job.run_dir}/tensorboard/metrics.jsonl)")
-        print("\n".join(device_report(job.run_dir) + _time_budget(job.run_dir)))
-    return 0
+    if handle.run_dir is not None:
+        step = handle.last_step()
+        print(f"last step: {step if step is not None else 'none yet'} (from {handle.run_dir}/tensorboard/metrics.jsonl)")
+        print("\n".join(device_report(handle.run_dir) + _time_budget(handle.run_dir)))
 
 
 def _time_budget(run_dir: Path) -> list[str]:
     """The time limit's lines: end time, step and save estimates, the last early stop (docs/slurm.md)."""
-    from verl_hpc.launch.slurm_job import last_metrics_row
+    from verl_hpc.launch.run_files import last_metrics_row
     from verl_hpc.metrics.history import read_history, time_budget_lines
 
     return time_budget_lines(read_history(run_dir), last_metrics_row(run_dir / "tensorboard" / "metrics.jsonl"))
 
 
 def _cmd_logs(args: argparse.Namespace) -> int:
-    from verl_hpc.launch.slurm_job import SlurmJob
+    from verl_hpc.launch.handle import RunHandle
 
-    job = SlurmJob.lookup(args.job_id)
+    handle = RunHandle.attach(args.job_id)
     if not args.follow:
-        sys.stdout.write(job.logs(args.role, args.rank) or f"no logs yet in {job.folder}\n")
+        sys.stdout.write(handle.logs(args.role, args.rank) or f"no logs yet in {handle.folder}\n")
         return 0
-    return _follow(job, args.role, args.rank)
+    return _follow(handle, args.role, args.rank)
 
 
-def _follow(job: SlurmJob, role: str | None, rank: int | None) -> int:
-    """Print what the selected logs gain, once a second, until the job is finished."""
+def _follow(handle: RunHandle, role: str | None, rank: int | None) -> int:
+    """Print what the selected logs gain, once a second, until the run is over."""
     from verl_hpc.launch.slurm_job import SlurmError
 
     offsets: dict[Path, int] = {}
     current: Path | None = None
     while True:
         try:
-            done = job.finished()
+            done = handle.finished()
         except SlurmError:  # forgotten by the controller: nothing more will be written
             done = True
-        for path in job.log_paths(role, rank):
+        for path in handle.log_paths(role, rank):
             current = _print_new(path, offsets, current)
         if done:
             return 0
@@ -202,11 +234,14 @@ def _print_new(path: Path, offsets: dict[Path, int], current: Path | None) -> Pa
 
 
 def _cmd_cancel(args: argparse.Namespace) -> int:
-    from verl_hpc.launch.slurm_job import SlurmJob, normalize_job_id
+    from verl_hpc.launch.handle import RunHandle
 
-    job = SlurmJob(normalize_job_id(args.job_id), Path("."))
-    job.cancel()
-    print(f"cancelled job {job.job_id}")
+    handle = RunHandle.attach(args.job_id)
+    handle.cancel()
+    if handle.kind == "slurm":
+        print(f"cancelled job {handle.job_id}")
+    else:
+        print(f"stopping {handle.run_dir}: SIGTERM to its launcher, which saves a checkpoint of the step first")
     return 0
 
 

@@ -10,10 +10,10 @@ The mapping itself is config/verl_args.py (docs/verl.md is generated from it).
 from __future__ import annotations
 
 import argparse
-import shlex
 import sys
 
 from verl_hpc.config import ConfigError
+from verl_hpc.utils.invocation import command_line
 
 
 def _add_verl(sub: argparse._SubParsersAction) -> None:
@@ -78,25 +78,26 @@ def _cmd_verl(args: argparse.Namespace) -> int:
         return _submit(cfg, args)
     check_machine(cfg)
     run_dir = args.run_dir or str(named_run_dir(cfg, None))
-    again = shlex.join(["verl-hpc", "verl", *args.overrides, *(f"--set={s}" for s in args.sets), "--run-dir", run_dir])
+    again = command_line("verl", *args.overrides, *(f"--set={s}" for s in args.sets), "--run-dir", run_dir)
     return train_and_report(cfg, run_dir, again)
 
 
 def _submit(cfg, args: argparse.Namespace) -> int:  # cfg: RunConfig
-    from verl_hpc.launch.slurm import submit
+    from verl_hpc.launch.executor import SlurmExecutor
     from verl_hpc.launch.slurm_job import SlurmError
 
+    executor = SlurmExecutor(args.python)
     try:
-        result = submit(cfg, run_dir=args.run_dir, dry_run=args.dry_run, python=args.python)
+        if args.dry_run:
+            print(executor.render(cfg, args.run_dir), end="")
+            return 0
+        handle = executor.submit(cfg, args.run_dir)
     except (SlurmError, TimeoutError) as err:
         print(f"verl-hpc: error: {err}", file=sys.stderr)
         return 2
-    if isinstance(result, str):
-        print(result, end="")
-        return 0
-    print(f"submitted job {result.job_id}")
-    print(f"run dir:    {result.run_dir}")
-    print(f"follow it:  verl-hpc status {result.job_id}   verl-hpc logs {result.job_id} -f")
+    print(f"submitted job {handle.job_id}")
+    print(f"run dir:    {handle.run_dir}")
+    print(f"follow it:  {command_line('status', str(handle.job_id))}   {command_line('logs', str(handle.job_id), '-f')}")
     return 0
 
 

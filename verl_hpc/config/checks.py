@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from verl_hpc.config.errors import FieldError
@@ -152,11 +154,42 @@ def check_model(cfg: RunConfig) -> None:
     path = expand_path(model.path)
     if not (path / "config.json").is_file():
         raise FieldError("model.path", f"{path} is not a Hugging Face model directory (no config.json)",
-                         f"build one with `verl-hpc init-model {path} --preset tiny` or set "
-                         "model.init_preset: tiny")
+                         builder_hint(path))
     if model.critic_path is not None and not (expand_path(model.critic_path) / "config.json").is_file():
         raise FieldError("model.critic_path", f"{model.critic_path} is not a model directory",
                          "point it at a Hugging Face directory or remove it to start the critic from model.path")
+
+
+# The scripts of this repository that build a real model, by the directory name its configs use.
+MODEL_BUILDERS = {"smollm2-135m-instruct": "tools/make_smollm2.py"}
+# A directory named like a released model: a family, or a size such as 135M, 0.5B, 7b.
+REAL_MODEL_NAME = re.compile(r"smollm|qwen|llama|mistral|mixtral|gemma|phi-?\d|gpt|deepseek|olmo|falcon|pythia|"
+                             r"starcoder|(?<![a-z0-9])\d+(\.\d+)?[mb](?![a-z0-9])", re.I)
+POINT_AT_A_MODEL = "point model.path at a Hugging Face model directory (one with config.json)"
+
+
+def builder_hint(path: Path) -> str:
+    """How to build the model that belongs at `path`, where that is known; never a random one for a real name.
+
+    Why: `init-model --preset tiny` at a missing real model's path would put a random tiny
+    model under that model's name. A known real model is built by its script; any other
+    real-looking name gets no build suggestion; a directory named like a preset's model
+    (`tiny-seed0`) is rebuilt from that preset; other names may take a random test model.
+    """
+    from verl_hpc.models.tiny import PRESETS
+    from verl_hpc.utils.invocation import command_line, python_command
+
+    script = MODEL_BUILDERS.get(path.name.lower())
+    if script is not None:
+        return f"build it with `{python_command()} {script} {path}` (from the verl-hpc repository)"
+    match = re.fullmatch(r"(?P<preset>[\w-]+?)-seed(?P<seed>\d+)", path.name)
+    if match is not None and match["preset"] in PRESETS:
+        build = command_line("init-model", str(path), "--preset", match["preset"], "--seed", match["seed"])
+        return f"build it with `{build}`, or set model.init_preset: {match['preset']}"
+    if REAL_MODEL_NAME.search(path.name):
+        return POINT_AT_A_MODEL
+    test_model = command_line("init-model", str(path), "--preset", "tiny")
+    return f"{POINT_AT_A_MODEL}, or for a random-weight test model there: `{test_model}`"
 
 
 def check_data(cfg: RunConfig) -> None:

@@ -1,34 +1,33 @@
 """Elastic resources from the outside: `update_resource`, `verl-hpc resize`, the Slurm resubmit.
 
-Why these live in `launch`: they act on a run that some launcher started (the local
+Why these live in `launch`: they act on a run that some executor started (the local
 launcher, or a Slurm job), by writing the request the trainer reads at its next step
 boundary (runtime/state/resize.py explains the protocol) and, under Slurm, by submitting the
-resized job. docs/elastic.md says what a resize costs.
+resized job. `RunHandle.update_resource` is the same request on a handle. docs/elastic.md
+says what a resize costs.
 """
 
 from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
+from verl_hpc.launch.handle import RunHandle
 from verl_hpc.runtime.state import resize
 
 
 def resolve_target(target: str | Path) -> Path:
-    """A run directory, or a Slurm job id whose run directory the job registry knows."""
+    """A run directory, or a Slurm job id whose run directory the job registry (or scontrol) knows."""
     if re.fullmatch(r"\s*\d+(\+\d+)?\s*", str(target)) and not Path(str(target)).is_dir():
         from verl_hpc.config import ConfigError
-        from verl_hpc.launch.slurm_job import SlurmJob
 
-        job = SlurmJob.lookup(str(target))
-        if job.run_dir is None:
-            raise ConfigError("run_dir", f"the run directory of job {job.job_id} is unknown",
+        handle = RunHandle.attach(str(target))
+        if handle.run_dir is None:
+            raise ConfigError("run_dir", f"the run directory of job {handle.job_id} is unknown",
                               "pass the run directory instead of the job id")
-        return job.run_dir
+        return handle.run_dir
     return Path(target)
 
 
@@ -44,64 +43,21 @@ def update_resource(run: str | Path, component: str, device_ids: list[int] | Non
     return resize.request_resize(resolve_target(run), overrides)
 
 
-class RunHandle:
-    """A handle on a run: `RunHandle.start(...)` launches one, `RunHandle(run_dir)` attaches to one.
-
-    Why `start` runs `verl-hpc train` as a child process: the local launcher must own the
-    main thread of its process (it forwards Ctrl-C/SIGTERM and relies on a parent-death
-    signal tied to the thread that spawned the workers), which a notebook's thread is not.
-    """
-
-    def __init__(self, run_dir: str | Path, process: subprocess.Popen | None = None):
-        self.run_dir = resolve_target(run_dir)
-        self.process = process
-
-    @classmethod
-    def start(cls, config: str | Path, run_dir: str | Path, overrides: list[str] | None = None,
-              env: dict[str, str] | None = None) -> RunHandle:
-        """`verl-hpc train CONFIG --run-dir RUN_DIR OVERRIDES` in the background.
-
-        Its output goes to RUN_DIR/logs/launcher.out (the workers log beside it).
-        """
-        run_dir = Path(run_dir).absolute()
-        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        command = [sys.executable, "-m", "verl_hpc", "train", str(Path(config).absolute()), "--run-dir",
-                   str(run_dir), *(overrides or [])]
-        with open(run_dir / "logs" / "launcher.out", "ab") as out:
-            process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                       env={**os.environ, **(env or {})})
-        return cls(run_dir, process)
-
-    def wait(self, timeout: float | None = None) -> int:
-        """The exit code of `verl-hpc train` (0: finished; 1: a worker failed; 2: bad config)."""
-        if self.process is None:
-            raise RuntimeError(f"this handle attached to {self.run_dir}; it did not start the run")
-        return self.process.wait(timeout)
-
-    def update_resource(self, component: str, device_ids: list[int] | None = None, strategy: str | None = None,
-                        **fields: Any) -> Path:
-        return update_resource(self.run_dir, component, device_ids, strategy, **fields)
-
-    def history(self) -> list[dict[str, Any]]:
-        """Every resize applied so far (config_history.yaml), oldest first."""
-        return resize.history(self.run_dir)
-
-
-def resubmit(run_dir: Path, python: str | None = None):  # -> SlurmJob
+def resubmit(run_dir: Path, python: str | None = None) -> RunHandle:
     """Under Slurm, after the job stopped for a resize: apply it and submit the new job shape.
 
     Why a new job and not `scontrol requeue`: a requeued job keeps the components, task
     counts and GRES it was submitted with; Slurm cannot change a hetjob's shape. The new
     job uses the same run directory, so it resumes from the checkpoint the old one saved.
     """
-    from verl_hpc.launch.slurm import submit
+    from verl_hpc.launch.executor import SlurmExecutor
 
     cfg = resize.apply_accepted(run_dir)
     # Run from inside the old job: its SLURM_* variables (restart count, het group sizes) must
     # not leak into the new job's environment. SLURM_CONF says which cluster; it stays.
     for name in [n for n in os.environ if n.startswith("SLURM_") and n != "SLURM_CONF"]:
         del os.environ[name]
-    return submit(cfg, run_dir=run_dir, python=python)
+    return SlurmExecutor(python).submit(cfg, run_dir=run_dir)
 
 
 def device_report(run_dir: Path, gpu_usage: dict[str, Any] | None = None) -> list[str]:

@@ -1,18 +1,20 @@
-"""Submit a run to Slurm as one heterogeneous job: `verl_hpc.submit(...)`, `verl-hpc submit`.
+"""One heterogeneous Slurm job through submitit: `HetjobExecutor` and the submission's preparation.
 
 Why a submitit subclass and not a fork: submitit already does the careful parts of
 submission (a job folder per submitter, the script written then moved next to its job
 id, sbatch's answer parsed, errors surfaced). It has no hetjob support (submitit#1741),
 and its script runs a pickled function; ours runs the worker module over every hetjob
-component. Its two hooks — the submission text and the task count — are all we replace.
-We never use submitit's job state: without accounting it stays UNKNOWN (slurm_job.py).
+component. Its two hooks — the submission text and the task count — are all we replace,
+and its submission path is the one private method we call: `SUBMITIT_PRIVATE_HOOKS` names
+each, and tests/launch/test_submitit_hooks.py checks each still exists with the signature
+we rely on, so a submitit upgrade that changes one fails a test that names it. We never use
+submitit's job state: without accounting it stays UNKNOWN (slurm_job.py).
 
-Submission order: validate the config, check that Slurm's tools (and the container image,
-with `slurm.container`) are here, then prepare
-the run directory (config.yaml, model, prompts, secret; once, on this machine), then
-sbatch. Job files go to `<run_dir>/slurm/`: the submission script as
-`<id>_submission.sh`, the batch shell's log as `<id>_batch.out`, each rank's output in
-`logs/<group>_rank<N>.out`.
+Submission order (`SlurmExecutor.submit` in executor.py): validate the config, check that
+Slurm's tools (and the container image, with `slurm.container`) are here, then prepare the run directory (config.yaml, model, prompts,
+secret; once, on this machine), then sbatch. Job files go to `<run_dir>/slurm/`: the
+submission script as `<id>_submission.sh`, the batch shell's log as `<id>_batch.out`,
+each rank's output in `logs/<group>_rank<N>.out`.
 """
 
 from __future__ import annotations
@@ -25,15 +27,18 @@ from pathlib import Path
 import submitit
 from submitit.core.utils import FailedJobError
 
-from verl_hpc.config import RunConfig, load_config
+from verl_hpc.config import RunConfig
 from verl_hpc.config.placement import plan_for_config
-from verl_hpc.launch.container import image_problem
 from verl_hpc.launch.sbatch import WORKER_MODULE, render_sbatch
-from verl_hpc.launch.slurm_job import SlurmError, SlurmJob, record_job, slurm_tool
+from verl_hpc.launch.slurm_job import SlurmError
 from verl_hpc.utils.fs import expand_path
 
 JOB_FOLDER = "slurm"
 SUBMIT_TOOLS = ("sbatch", "scontrol", "srun")
+# The private members of submitit.SlurmExecutor this module relies on, with their parameters
+# (after self): overridden (the first two) or called (the third).
+SUBMITIT_PRIVATE_HOOKS = {"_make_submission_file_text": ("command", "uid"), "_num_tasks": (),
+                          "_submit_command": ("command",)}
 
 
 class HetjobExecutor(submitit.SlurmExecutor):
@@ -75,15 +80,6 @@ def resolve_run_dir(cfg: RunConfig, run_dir: str | Path | None) -> Path:
     return expand_path(str(chosen)).absolute()
 
 
-def as_config(config_or_path: RunConfig | str | Path, overrides: list[str] | None = None) -> RunConfig:
-    """A validated RunConfig from a YAML path or a RunConfig, overrides applied either way."""
-    if isinstance(config_or_path, RunConfig):
-        if not overrides:
-            return config_or_path
-        return load_config(data=config_or_path.model_dump(mode="json", by_alias=True), overrides=overrides)
-    return load_config(config_or_path, overrides)
-
-
 def prepare_submission(cfg: RunConfig, run_dir: Path) -> Path:
     """Prepare the run directory and its job folder (with logs/); returns the job folder."""
     from verl_hpc.launch.train import prepare_run  # torch is imported only when really submitting
@@ -92,35 +88,3 @@ def prepare_submission(cfg: RunConfig, run_dir: Path) -> Path:
     folder = path / JOB_FOLDER
     (folder / "logs").mkdir(parents=True, exist_ok=True)
     return folder
-
-
-def submit(config_or_path: RunConfig | str | Path, overrides: list[str] | None = None,
-           run_dir: str | Path | None = None, dry_run: bool = False,
-           python: str | None = None) -> SlurmJob | str:
-    """Submit a run as one Slurm (het)job; with `dry_run`, only return the script.
-
-    `dry_run=True` validates and renders but creates nothing, neither files nor jobs.
-    `python` is the interpreter the workers run (default: this one; it must exist at
-    the same path on the compute nodes).
-    """
-    cfg = as_config(config_or_path, overrides)
-    path = resolve_run_dir(cfg, run_dir)
-    python = python or sys.executable
-    if cfg.rollout.multi_turn.enable:  # a bad tool is refused here, not in a job that waited in the queue
-        from verl_hpc.launch.train import check_tools
-
-        check_tools(cfg)
-    if dry_run:
-        return render_sbatch(cfg, path, path / JOB_FOLDER, python)
-    for tool in SUBMIT_TOOLS:
-        slurm_tool(tool)
-    problem = image_problem(cfg.slurm.container)  # before the run directory exists
-    if problem is not None:
-        raise SlurmError(problem)
-    folder = prepare_submission(cfg, path)
-    submitted = HetjobExecutor(folder, cfg, path, python).submit_run()
-    job = SlurmJob(str(submitted.job_id), folder, path)
-    with contextlib.suppress(OSError):  # a read-only home must not fail a submitted job
-        record_job(job)
-    return job
-

@@ -1,4 +1,4 @@
-"""A submitted Slurm job, seen through `scontrol`: state per component, logs, cancel.
+"""The Slurm backend of a `RunHandle`: a submitted job seen through `scontrol`, its logs, scancel.
 
 Why scontrol and not submitit's `job.state`: without accounting (no slurmdbd, hence no
 `sacct`) submitit's state stays UNKNOWN forever, and its `result()` hangs for a job that
@@ -13,7 +13,6 @@ find the run directory and job folder from another shell.
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import json
 import os
@@ -21,11 +20,11 @@ import re
 import shutil
 import subprocess
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from verl_hpc.config.placement import ProcessPlan, plan_for_config
+from verl_hpc.config.placement import ProcessPlan
+from verl_hpc.launch.run_files import Backend, RunError, component, rank_log_paths, run_plan
 
 TERMINAL_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
                              "BOOT_FAIL", "DEADLINE"})
@@ -33,7 +32,7 @@ REGISTRY_LIMIT = 500
 TOOL_TIMEOUT_S = 30.0
 
 
-class SlurmError(RuntimeError):
+class SlurmError(RunError):
     """A Slurm operation failed; the message is one line saying what to do."""
 
 
@@ -86,16 +85,16 @@ def normalize_job_id(job_id: str | int) -> str:
     return match.group(1)
 
 
-@dataclass
-class SlurmJob:
-    """One submitted run: the leader's job id, the job folder and (when known) the run directory."""
+class SlurmBackend(Backend):
+    """One submitted run seen through scontrol: the leader's job id, the job folder, the run directory."""
 
-    job_id: str
-    folder: Path
-    run_dir: Path | None = None
+    kind = "slurm"
+
+    def __init__(self, job_id: str, folder: Path, run_dir: Path | None = None):
+        self.job_id, self.folder, self.run_dir = job_id, Path(folder), run_dir
 
     @classmethod
-    def lookup(cls, job_id: str | int) -> SlurmJob:
+    def lookup(cls, job_id: str | int) -> SlurmBackend:
         """Find a job's folder and run directory: the registry, checked against scontrol."""
         probe = cls(normalize_job_id(job_id), Path("."))
         stdout, missing = None, None
@@ -118,6 +117,15 @@ class SlurmJob:
             raise missing
         raise SlurmError(f"job {job_id} is neither known to Slurm nor recorded in {registry_path()}")
 
+    @classmethod
+    def newest_for(cls, run_dir: Path) -> SlurmBackend | None:
+        """The newest job this machine submitted for `run_dir` (the job registry), if any."""
+        wanted = str(Path(run_dir).absolute())
+        for job_id, entry in reversed(list(read_registry().items())):
+            if entry.get("run_dir") == wanted:
+                return cls(job_id, Path(entry["folder"]), Path(wanted))
+        return None
+
     def records(self) -> list[dict[str, str]]:
         """scontrol's records of every component, in component order."""
         done = run_tool("scontrol", "show", "job", self.job_id)
@@ -134,71 +142,32 @@ class SlurmJob:
 
     def plan(self) -> ProcessPlan | None:
         """The run's process plan, from its config.yaml, when the run directory is known."""
-        if self.run_dir is None or not (self.run_dir / "config.yaml").is_file():
-            return None
-        from verl_hpc.config import load_config
+        return run_plan(self.run_dir)
 
-        return plan_for_config(load_config(self.run_dir / "config.yaml"))
-
-    def status(self) -> dict[str, dict[str, Any]]:
+    def states(self) -> dict[str, dict[str, Any]]:
         """State per component, keyed by process group name (`component<i>` if the plan is unknown)."""
         records = self.records()
         plan = self.plan()
         names = [g.name for g in plan.groups] if plan and len(plan.groups) == len(records) else []
-        result = {}
-        for index, record in enumerate(records):
-            key = names[index] if names else f"component{index}"
-            result[key] = {
-                "component": index, "job_id": record.get("JobId", "?"), "state": record.get("JobState", "?"),
-                "restarts": int(record.get("Restarts") or 0), "nodes": record.get("NodeList", ""),
-                "reason": record.get("Reason", ""), "exit_code": record.get("ExitCode", ""),
-                "finished": component_finished(record),
-            }
-        return result
+        return {(names[i] if names else f"component{i}"): component(
+            i, r.get("JobId", "?"), r.get("JobState", "?"), component_finished(r), r.get("ExitCode", ""),
+            r.get("NodeList", ""), r.get("Reason", ""), int(r.get("Restarts") or 0))
+            for i, r in enumerate(records)}
 
-    def finished(self) -> bool:
-        """Whether every component is done for good (a requeued job is not)."""
-        return all(c["finished"] for c in self.status().values())
-
-    def wait(self, timeout: float | None = None, poll: float = 2.0) -> dict[str, dict[str, Any]]:
-        """Poll until every component is done; the final status, or TimeoutError."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            status = self.status()
-            if all(c["finished"] for c in status.values()):
-                return status
-            if deadline is not None and time.monotonic() > deadline:
-                states = ", ".join(f"{k}={v['state']}" for k, v in status.items())
-                raise TimeoutError(f"job {self.job_id} not finished after {timeout:g} s: {states}")
-            time.sleep(poll)
+    def exit_code(self) -> int | None:
+        """None until every component is done; then the job's exit code (`exit_code_of`)."""
+        records = self.records()
+        if not all(component_finished(r) for r in records):
+            return None
+        return exit_code_of(records)
 
     def batch_log(self) -> Path:
         return self.folder / f"{self.job_id}_batch.out"
 
     def log_paths(self, role: str | None = None, rank: int | None = None) -> list[Path]:
         """The batch log and per-rank logs (`logs/<group>_rank<N>.out`), narrowed by role/rank."""
-        logs = self.folder / "logs"
-        plan = self.plan()
-        if role is None and rank is None:
-            return [self.batch_log(), *sorted(logs.glob("*_rank*.out"), key=_rank_of)]
-        if plan is None:
-            pattern = f"{role or '*'}_rank{'*' if rank is None else rank}.out"
-            return sorted(logs.glob(pattern), key=_rank_of)
-        ranks = range(plan.world_size) if rank is None else [rank]
-        if rank is not None and not 0 <= rank < plan.world_size:
-            raise SlurmError(f"rank {rank} is outside the job's {plan.world_size} ranks")
-        if role is not None:
-            group = _group_named(plan, role)
-            ranks = [r for r in ranks if r in plan.group_ranks(group)]
-        return [logs / f"{plan.locate(r)[0].name}_rank{r}.out" for r in ranks]
-
-    def logs(self, role: str | None = None, rank: int | None = None) -> str:
-        """The selected log files' text, each under a `==> path <==` line (as `tail` does)."""
-        parts = []
-        for path in self.log_paths(role, rank):
-            with contextlib.suppress(FileNotFoundError):
-                parts.append(f"==> {path} <==\n{path.read_text(errors='replace')}")
-        return "\n".join(parts)
+        ranks = rank_log_paths(self.folder / "logs", self.plan(), role, rank)
+        return [self.batch_log(), *ranks] if role is None and rank is None else ranks
 
     def cancel(self) -> None:
         """scancel the job: every component, every step (SIGTERM, then SIGKILL after KillWait)."""
@@ -206,47 +175,18 @@ class SlurmJob:
         if done.returncode != 0:
             raise SlurmError(f"scancel {self.job_id}: {(done.stderr or done.stdout).strip() or 'failed'}")
 
-    def last_step(self) -> int | None:
-        """The last step trainer rank 0 logged to metrics.jsonl, or None before the first one."""
-        if self.run_dir is None:
-            return None
-        return last_metrics_step(self.run_dir / "tensorboard" / "metrics.jsonl")
 
-
-def _group_named(plan: ProcessPlan, role: str) -> str:
-    """A group by its name (trainer, rollout, ...) or by a role it hosts (actor, ref, ...)."""
-    for group in plan.groups:
-        if role == group.name or role in group.roles:
-            return group.name
-    known = sorted({g.name for g in plan.groups} | {r for g in plan.groups for r in g.roles})
-    raise SlurmError(f"no role or group {role!r} in this job; it has {', '.join(known)}")
-
-
-def _rank_of(path: Path) -> int:
-    match = re.search(r"_rank(\d+)\.out$", path.name)
-    return int(match.group(1)) if match else -1
-
-
-def last_metrics_row(path: Path) -> dict | None:
-    """The last complete line of a metrics.jsonl (reads only the file's tail)."""
-    try:
-        with open(path, "rb") as fh:
-            fh.seek(max(0, fh.seek(0, os.SEEK_END) - 65536))
-            lines = fh.read().decode(errors="replace").splitlines()
-    except OSError:
-        return None
-    for line in reversed(lines):
-        with contextlib.suppress(ValueError, TypeError, KeyError):
-            row = json.loads(line)
-            int(row["step"])
-            return row
-    return None
-
-
-def last_metrics_step(path: Path) -> int | None:
-    """`step` of the last complete line of a metrics.jsonl."""
-    row = last_metrics_row(path)
-    return int(row["step"]) if row is not None else None
+def exit_code_of(records: list[dict[str, str]]) -> int:
+    """0 when every component COMPLETED; else the first component's code (`N:S`: N, or 128+S by a signal)."""
+    if all(r.get("JobState") == "COMPLETED" for r in records):
+        return 0
+    for record in records:
+        code, _, sig = record.get("ExitCode", "0:0").partition(":")
+        if int(code or 0):
+            return int(code)
+        if int(sig or 0):
+            return 128 + int(sig)
+    return 1  # cancelled before it ran, timed out, node failure: no code of its own
 
 
 def registry_path() -> Path:
@@ -262,7 +202,7 @@ def read_registry() -> dict[str, dict[str, Any]]:
     return data if isinstance(data, dict) else {}
 
 
-def record_job(job: SlurmJob) -> None:
+def record_job(job: SlurmBackend) -> None:
     """Remember job id -> folder and run dir; locked and atomic, as several submits may race."""
     path = registry_path()
     path.parent.mkdir(parents=True, exist_ok=True)

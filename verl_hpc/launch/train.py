@@ -15,10 +15,11 @@ from typing import Any
 
 from verl_hpc.config import ConfigError, RunConfig, dump_config
 from verl_hpc.config.placement import plan_for_config
+from verl_hpc.launch.run_files import recorded_launcher
 from verl_hpc.runtime.build import ensure_model, prompt_files
 from verl_hpc.runtime.lifecycle import TrainResult
 from verl_hpc.runtime.state import resize
-from verl_hpc.runtime.state.run_dir import prepare_run_dir, write_explicit
+from verl_hpc.runtime.state.run_dir import finished_step, prepare_run_dir, write_explicit
 from verl_hpc.utils.logging import get_logger
 
 log = get_logger("launch")
@@ -78,7 +79,9 @@ def train(cfg: RunConfig, run_dir: str | Path | None = None, *, actor_model: Any
     `time_limit_s`: the run ends that many seconds from now, as a Slurm job at its time limit:
     it stops at the step boundary where the next step and a checkpoint no longer fit
     (`stopped_by` "deadline"); workers still running at the limit are stopped ("time limit").
-    The same command run again resumes from the checkpoint.
+    The same command run again resumes from the checkpoint. A run directory whose run already
+    finished under this config's `trainer.total_steps` (only operational fields changed) is left
+    as it is: nothing is loaded or trained.
     """
     from verl_hpc.config.machine import check_machine
 
@@ -90,14 +93,37 @@ def train(cfg: RunConfig, run_dir: str | Path | None = None, *, actor_model: Any
         from verl_hpc.runtime.embedded import train_in_process
 
         path = prepare_run_dir(run_dir or cfg.run_dir, cfg)
-        return train_in_process(cfg, path, actor_model, reward_model, end_time=end_time)
+        if finished_step(path, cfg.trainer.total_steps) is not None:
+            (path / "config.yaml").write_text(dump_config(cfg))  # the recorded change takes effect
+            return finished_result(path)
+        with recorded_launcher(path, sys.orig_argv):
+            return train_in_process(cfg, path, actor_model, reward_model, end_time=end_time)
     if actor_model is not None or reward_model is not None:
         raise ConfigError("resources", "model or reward objects cannot reach the worker processes this "
                           "placement starts", "pass paths / module:function names in the config instead")
     return launch_local(cfg, run_dir, end_time)
 
 
-def _stopped_by(code: int) -> str | None:
+def finished_result(path: Path) -> TrainResult:
+    """What a finished run left: its last step's metrics and its exported model, if any."""
+    step = finished_step(path)
+    log.warning("%s finished at step %s: nothing to train (raise trainer.total_steps with "
+                "--allow-config-change to train it further)", path, step)
+    return read_result(path, None)
+
+
+def read_result(path: Path, stopped_by: str | None) -> TrainResult:
+    """The result of the run in `path` from its files: the last metrics row, `hf_model/` unless stopped."""
+    from verl_hpc.metrics import read_jsonl_metrics
+
+    metrics_file = path / "tensorboard" / "metrics.jsonl"
+    rows = read_jsonl_metrics(metrics_file) if metrics_file.exists() else []
+    hf_dir = path / "hf_model"
+    return TrainResult(path, rows[-1]["step"] if rows else 0, hf_dir if hf_dir.exists() and not stopped_by else None,
+                       rows[-1] if rows else {}, stopped_by)
+
+
+def stopped_by(code: int) -> str | None:
     """What the launcher's exit code says stopped the run early (None: it ran to its end)."""
     from verl_hpc.launch.local import EXIT_TIME_LIMIT
     from verl_hpc.runtime.process.endtime import EXIT_AT_DEADLINE
@@ -110,26 +136,28 @@ def _stopped_by(code: int) -> str | None:
 
 
 def launch_local(cfg: RunConfig, run_dir: str | Path | None, end_time: float | None = None) -> TrainResult:
-    from verl_hpc.launch.local import LocalLauncher
-    from verl_hpc.metrics import read_jsonl_metrics
-
     path = prepare_run(cfg, run_dir)
+    if finished_step(path, cfg.trainer.total_steps) is not None:
+        return finished_result(path)
     if resize.history(path):
         log.warning("%s was resized before (%s); this launch uses the resources of the config given now",
                     path, path / resize.HISTORY_FILE)
+    with recorded_launcher(path, sys.orig_argv):
+        code = _supervise(cfg, path, end_time)
+    if resize.pending(path):
+        log.warning("a resize request in %s was not applied: the run ended first", path / resize.REQUEST_FILE)
+    return read_result(path, stopped_by(code))
+
+
+def _supervise(cfg: RunConfig, path: Path, end_time: float | None) -> int:
+    """Run the world with `LocalLauncher` until it ends, restarting it on the new plan after each resize."""
+    from verl_hpc.launch.local import LocalLauncher
+
     while True:
         launcher = LocalLauncher(plan_for_config(cfg), path, [sys.executable, "-m", "verl_hpc.runtime.worker"],
                                  grace_seconds=min(10.0, cfg.resources.timeout_seconds), end_time=end_time)
         code = launcher.run()  # 128+signal when Ctrl-C/SIGTERM stopped it (workers saved first)
         if code != 0 or resize.accepted(path) is None:
-            break
+            return code
         cfg = resize.apply_accepted(path)  # the workers stopped for a resize: restart on the new plan
         check_local(cfg)
-    if resize.pending(path):
-        log.warning("a resize request in %s was not applied: the run ended first", path / resize.REQUEST_FILE)
-    metrics_file = path / "tensorboard" / "metrics.jsonl"
-    rows = read_jsonl_metrics(metrics_file) if metrics_file.exists() else []
-    hf_dir = path / "hf_model"
-    stopped_by = _stopped_by(code)
-    return TrainResult(path, rows[-1]["step"] if rows else 0, hf_dir if hf_dir.exists() and not stopped_by else None,
-                       rows[-1] if rows else {}, stopped_by)

@@ -35,7 +35,9 @@ from verl_hpc.roles.reward import ModelReward, RuleReward
 from verl_hpc.roles.reward_shaping import OverlongShapedReward
 from verl_hpc.roles.rollout import RolloutEngine, build_engine
 from verl_hpc.utils.fs import expand_path
+from verl_hpc.utils.logging import get_logger
 
+log = get_logger("build")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -101,13 +103,54 @@ def resolve_device(cfg: RunConfig) -> torch.device:
 
 
 def ensure_model(cfg: RunConfig) -> Path:
-    """The model directory, built from `model.init_preset` on first use."""
-    path = expand_path(cfg.model.path)
-    if cfg.model.init_preset is not None:
-        from verl_hpc.models.tiny import init_model
+    """The model directory; `model.init_preset` builds a random-weight one there only where the path is new.
 
-        init_model(path, preset=cfg.model.init_preset, seed=cfg.model.init_seed)
-    return path
+    Why only there, and never quietly: a preset asks for a random model, so building over a
+    directory that holds one, or at a path one typo away from a model, would train noise
+    under a real model's name. A path that holds a model is used as it is; a new one is
+    built in, saying so in one line; a new one that looks like a typo of a model beside it
+    is refused, naming both.
+    """
+    path = expand_path(cfg.model.path)
+    preset, seed = cfg.model.init_preset, cfg.model.init_seed
+    if preset is None:
+        return path
+    from verl_hpc.models.tiny import init_model, is_built
+
+    if is_built(path):
+        try:
+            return init_model(path, preset=preset, seed=seed)  # the same preset and seed: reused as it is
+        except FileExistsError as err:
+            raise ConfigError("model.init_preset", str(err).split(";")[0], "set model.init_preset and init_seed "
+                              "to what it was built with, or choose a new model.path") from None
+    if (path / "config.json").is_file():
+        return path  # the user's own model: nothing to build
+    if path.exists() and any(path.iterdir()):
+        raise ConfigError("model.path", f"{path} holds no model (no config.json) and is not empty",
+                          "point model.path at a model directory, or at a new one for model.init_preset to build in")
+    near = near_model(path)
+    if near is not None:
+        raise ConfigError("model.path", f"{path} does not exist, but {near} beside it holds a model",
+                          f"fix model.path if you meant {near.name}; model.init_preset would build a random "
+                          "model at the new path")
+    log.warning("model.path %s does not exist: building a random-weight %s model there (model.init_preset: %s, "
+                "init_seed: %d)", path, preset, preset, seed)
+    return init_model(path, preset=preset, seed=seed)
+
+
+def near_model(path: Path, cutoff: float = 0.85) -> Path | None:
+    """A sibling directory whose name is almost `path`'s and that holds a model not built from a preset."""
+    import difflib
+
+    from verl_hpc.models.tiny import is_built
+
+    try:
+        siblings = [p for p in path.parent.iterdir() if p.is_dir() and p.name != path.name]
+    except OSError:
+        return None
+    names = {p.name.lower(): p for p in siblings if (p / "config.json").is_file() and not is_built(p)}
+    close = difflib.get_close_matches(path.name.lower(), list(names), n=1, cutoff=cutoff)
+    return names[close[0]] if close else None
 
 
 def prompt_files(cfg: RunConfig, run_dir: Path) -> list[Path]:

@@ -51,6 +51,16 @@ class Outcome:
     metrics: dict[str, float] = field(default_factory=dict)
 
 
+def training_line(algorithm: str, done: int, total: int, run_dir: Path) -> str:
+    """What the run is about to do: all of it, or (resumed) the steps it has left."""
+    if done == 0:
+        return f"training {algorithm} for {total} steps in {run_dir}"
+    left = total - done
+    if left <= 0:
+        return f"{run_dir} is at step {done} of {total}: no steps left to train"
+    return f"training {algorithm} for {left} more step{'s' if left > 1 else ''} ({done + 1}-{total} of {total}) in {run_dir}"
+
+
 def _brief(metrics: dict[str, float]) -> str:
     return ", ".join(f"{k} {v:.4f}" for k, v in metrics.items())
 
@@ -133,7 +143,7 @@ class RunLifecycle:
         sinks = observer.open(trainer.step, self.clock.end.at)
         progress = Progress(cfg.trainer.total_steps, trainer.step, cfg.logging.progress) if seat.is_leader else None
         if seat.is_leader:
-            log.info("training %s for %d steps in %s", cfg.algorithm.name, cfg.trainer.total_steps, self.run_dir)
+            log.info("%s", training_line(cfg.algorithm.name, trainer.step, cfg.trainer.total_steps, self.run_dir))
         ended, outcome = "failed", Outcome()
         try:
             if trainer.step == 0 and validation.due(cfg, 0):

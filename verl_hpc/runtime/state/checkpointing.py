@@ -88,6 +88,17 @@ class ModelState:
                        optim_state_dict=state["optim"], options=self._options())
 
 
+def describe_world(saved: dict[str, int] | None, now: dict[str, int]) -> str:
+    """`saved by 1 trainer process` or `saved by 2 trainer + 1 critic processes, now 1 trainer process`."""
+    def shown(sizes: dict[str, int]) -> str:
+        total = sum(sizes.values())
+        return " + ".join(f"{n} {group}" for group, n in sizes.items()) + f" process{'es' if total != 1 else ''}"
+
+    if not saved:
+        return f"now {shown(now)}"
+    return f"saved by {shown(saved)}" + ("" if saved == now else f", now {shown(now)}")
+
+
 class RunCheckpointer:
     """Cadence (steps, minutes, end, on request) + a dict of state objects around the manager.
 
@@ -176,7 +187,8 @@ class RunCheckpointer:
         # The duration and a sub-second wall clock ride along: the preemption benchmark splits a
         # restart into start-up and restore with them (the log's own time field has 1 s steps).
         seconds = self.restore_seconds = time.perf_counter() - start
-        log.info("resumed from %s at step %d in %.3fs (saved with %s, now %s)", path, run["step"], seconds,
-                 recorded, self.world_sizes, extra={"fields": {"restore_s": round(seconds, 4),
-                                                               "unix_time": round(time.time(), 3)}})
+        log.info("resumed from %s at step %d in %.3fs (%s)", path, run["step"], seconds,
+                 describe_world(recorded, self.world_sizes), extra={"fields": {
+                     "restore_s": round(seconds, 4), "unix_time": round(time.time(), 3),
+                     "saved_world_sizes": recorded, "world_sizes": self.world_sizes}})
         return run

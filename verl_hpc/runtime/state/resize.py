@@ -168,5 +168,11 @@ def _role_dump(cfg: RunConfig, role: str) -> dict[str, Any] | None:
 
 
 def history(run_dir: Path) -> list[dict[str, Any]]:
+    """The resizes applied to the run, oldest first.
+
+    config_history.yaml also holds the config changes a rerun recorded (`run_dir.record_change`,
+    entries without `after_step`); those are not resizes.
+    """
     path = run_dir / HISTORY_FILE
-    return (yaml.safe_load(path.read_text()) or []) if path.is_file() else []
+    entries = (yaml.safe_load(path.read_text()) or []) if path.is_file() else []
+    return [entry for entry in entries if isinstance(entry, dict) and "after_step" in entry]

@@ -9,7 +9,10 @@ A run directory has an identity, its config. Running into one that holds a run:
 
 * same config, not finished: resume (from the newest checkpoint, or from step 0 when
   none was committed: the restart redoes exactly the same steps);
-* finished (`hf_model/` exists) with the same config: refused, nothing to do;
+* finished (its newest checkpoint is of its last step: the run state, never `hf_model/`,
+  which `trainer.save_hf_model: false` does not write) with the same config: refused,
+  nothing to do; with only operational changes (below) they are recorded and the run is
+  left as it is (`finished_step` tells the launcher there is nothing to train);
 * another config: refused in one line naming the changed fields, unless the change is
   accepted (`--allow-config-change`, or `allow_config_change=True`). An accepted change
   is recorded in `config_history.yaml` with the step it takes effect at, the replaced
@@ -100,6 +103,29 @@ def committed_step(path: Path) -> int | None:
     return max(steps) if steps else None
 
 
+def total_steps_of(config_text: str | None) -> int | None:
+    """`trainer.total_steps` of a stored config.yaml, read without validating the rest."""
+    try:
+        return int((yaml.safe_load(config_text or "") or {})["trainer"]["total_steps"])
+    except (KeyError, TypeError, ValueError, yaml.YAMLError):
+        return None
+
+
+def finished_step(path: Path, total_steps: int | None = None) -> int | None:
+    """The step the run in `path` finished at, or None while it has steps left.
+
+    Why from the checkpoints: the last step is always saved (the run state of a finished
+    run), whereas `hf_model/` exists only when `trainer.save_hf_model` is on. `total_steps`
+    defaults to the run's own config.yaml; pass a new config's to ask "is there anything
+    left to train under it".
+    """
+    step = committed_step(path)
+    if total_steps is None:
+        stored = path / "config.yaml"
+        total_steps = total_steps_of(stored.read_text() if stored.is_file() else None)
+    return step if step is not None and total_steps is not None and step >= total_steps else None
+
+
 def has_progress(path: Path) -> bool:
     """Whether the run left anything a new config would contradict."""
     metrics = path / "tensorboard" / "metrics.jsonl"
@@ -117,19 +143,19 @@ def _check_continuation(path: Path, cfg: RunConfig, allow: bool) -> None:
     changed = config_changes(as_read_now(stored), new) if stored is not None else {}
     decisive = sorted(f for f in changed if not f.startswith(OPERATIONAL))
     step = committed_step(path) or 0
-    finished = (path / "hf_model").exists()
+    finished = finished_step(path, total_steps_of(stored)) is not None
     if decisive and has_progress(path) and not allow:
         shown = ", ".join(decisive[:6]) + (f" and {len(decisive) - 6} more" if len(decisive) > 6 else "")
         raise ConfigError("run_dir", f"{path} already holds a run with another config: {shown} changed",
                           f"rerun with its config ({stored_file}), add --allow-config-change to continue it "
                           "under this one (recorded in config_history.yaml), or choose a new --run-dir or "
                           "trainer.run_name")
-    if finished and not decisive:
+    if finished and stored == new:
         raise ConfigError("run_dir", f"{path} already holds a run that finished at step {step}",
                           "raise trainer.total_steps with --allow-config-change to train it further, "
                           "or choose a new --run-dir or trainer.run_name")
     if stored is not None and stored != new:  # the record lists fields an upgrade added too
-        record_change(path, stored, config_changes(stored, new), step, finished)
+        record_change(path, stored, config_changes(stored, new), step, (path / "hf_model").exists())
 
 
 def as_read_now(stored: str) -> str:
@@ -161,7 +187,7 @@ def _flatten(data: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def record_change(path: Path, stored: str, changed: dict[str, dict[str, Any]], step: int, finished: bool) -> None:
+def record_change(path: Path, stored: str, changed: dict[str, dict[str, Any]], step: int, exported: bool) -> None:
     """Keep the replaced config (and an earlier end's hf_model) and append the change to the history."""
     archive = path / HISTORY_DIR
     archive.mkdir(exist_ok=True)
@@ -169,7 +195,7 @@ def record_change(path: Path, stored: str, changed: dict[str, dict[str, Any]], s
     kept.write_text(stored)
     entry: dict[str, Any] = {"step": step, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                              "changed": changed, "previous_config": str(kept.relative_to(path))}
-    if finished:
+    if exported:
         moved = _free_name(path / f"hf_model_step_{step:08d}")
         (path / "hf_model").rename(moved)
         entry["moved"] = {"hf_model": moved.name}
