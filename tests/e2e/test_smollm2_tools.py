@@ -13,16 +13,15 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO, run_cli
-from tests.e2e.test_smollm2_gsm8k import _load
+from tests.conftest import REPO, load_module, run_cli
 
 pytestmark = pytest.mark.slow
 CONFIG = str(REPO / "configs" / "smollm2_gsm8k_tools.yaml")
 
 
 def model_and_data(tmp_path: Path) -> tuple[Path, Path]:
-    model_dir = _load(REPO / "tools" / "make_smollm2.py").build()
-    data = _load(REPO / "examples" / "gsm8k" / "make_data.py").write(tmp_path / "gsm8k", count=4)
+    model_dir = load_module(REPO / "tools" / "make_smollm2.py").build()
+    data = load_module(REPO / "examples" / "gsm8k" / "make_data.py").write(tmp_path / "gsm8k", count=4)
     return model_dir, data
 
 
