@@ -53,7 +53,9 @@ def _leaves(node: Any, prefix: str = "") -> list[tuple[str, Any]]:
     return found
 
 
-SECTIONS = [(path, node) for path, node in _sections(FULL) if not path.endswith("comm_env")]
+# Variables the user names freely (`resources.comm_env`, `slurm.container.env`) are maps, not sections.
+FREE_MAPS = ("resources.comm_env", "slurm.container.env")
+SECTIONS = [(path, node) for path, node in _sections(FULL) if path not in FREE_MAPS]
 INT_LEAVES = [p for p, v in _leaves(FULL) if isinstance(v, int) and not isinstance(v, bool)]
 POSITIVE = ["trainer.total_steps", "trainer.batch_size", "algorithm.sampling.n", "algorithm.sampling.max_new_tokens",
             "checkpoint.keep_last", "resources.timeout_seconds"]
