@@ -21,7 +21,16 @@ print(f"[WARNING {group}:{rank}] careful", file=sys.stderr, end="")  # untermina
 '''
 
 
-def test_terminal_shows_startup_progress_and_trouble(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.fixture
+def quiet_launcher(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launcher's own log lines (whatever console an earlier test set up) are not the relay's."""
+    import logging
+
+    monkeypatch.setattr(logging.getLogger("verl_hpc"), "handlers", [logging.NullHandler()])
+
+
+def test_terminal_shows_startup_progress_and_trouble(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                     quiet_launcher: None) -> None:
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
     plan = split_plan()

@@ -260,7 +260,7 @@ class MemoryWatch:
                        mean_tokens=seen.mean_tokens)
         est = estimate(self.shape, work, self.plan.switches)
         out = {"memory/plan_estimate_gb": est.peak / GIB, "memory/plan_budget_gb": self.plan.budget.bytes / GIB}
-        out.update({f"memory/plan_estimate_gb/{name}": (est.resident_bytes + value) / GIB
+        out.update({f"memory/plan_gb/{name}": (est.resident_bytes + value) / GIB
                     for name, value in est.phases.items()})
         return out
 
