@@ -13,7 +13,6 @@ block between the markers is rewritten; the guide around it is hand-written.
 from __future__ import annotations
 
 import argparse
-import difflib
 import json
 import sys
 import types
@@ -21,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Union, get_args, get_origin
 
+from generated_block import write_or_check  # tools/, beside this script
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 
@@ -361,15 +361,6 @@ def render(sections: list[Section]) -> str:
     return "\n".join(lines)
 
 
-def splice(document: str, block: str) -> str:
-    """`document` with the text between the markers replaced by `block`."""
-    if document.count(BEGIN) != 1 or document.count(END) != 1 or document.index(BEGIN) > document.index(END):
-        raise ValueError(f"{DOC.relative_to(REPO)} must hold exactly one {BEGIN} ... {END} pair")
-    head, rest = document.split(BEGIN)
-    tail = rest.split(END)[1]
-    return f"{head}{BEGIN}\n{block}{END}{tail}"
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="exit 1 if the file is out of date")
@@ -381,23 +372,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"no description for: {', '.join(missing)} (add them to DESCRIPTIONS in {Path(__file__).name})",
               file=sys.stderr)
         return 1
-    current = DOC.read_text() if DOC.is_file() else ""
-    try:
-        updated = splice(current, render(sections))
-    except ValueError as err:
-        print(err, file=sys.stderr)
-        return 1
-    if args.check:
-        if updated == current:
-            return 0
-        diff = difflib.unified_diff(current.splitlines(), updated.splitlines(), "on disk", "generated", lineterm="")
-        print("\n".join(list(diff)[:40]), file=sys.stderr)
-        print(f"{DOC.relative_to(REPO)} is out of date: run python tools/gen_config_docs.py", file=sys.stderr)
-        return 1
-    if updated != current:
-        DOC.write_text(updated)
-        print(f"wrote {DOC.relative_to(REPO)}")
-    return 0
+    return write_or_check(DOC, str(DOC.relative_to(REPO)), render(sections), BEGIN, END, args.check, "tools/gen_config_docs.py")
 
 
 if __name__ == "__main__":

@@ -11,11 +11,12 @@ rewritten; the guide around it is hand-written.
 from __future__ import annotations
 
 import argparse
-import difflib
 import json
 import sys
 from pathlib import Path
 from typing import Any
+
+from generated_block import write_or_check  # tools/, beside this script
 
 from verl_hpc.config.verl_keys import IGNORED, KEYS
 from verl_hpc.config.verl_rules import NOT_SET
@@ -65,34 +66,11 @@ def render() -> str:
     return "\n".join(lines) + "\n"
 
 
-def splice(document: str, block: str) -> str:
-    if document.count(BEGIN) != 1 or document.count(END) != 1 or document.index(BEGIN) > document.index(END):
-        raise ValueError(f"{DOC.relative_to(REPO)} must hold exactly one {BEGIN} ... {END} pair")
-    head, rest = document.split(BEGIN)
-    return f"{head}{BEGIN}\n{block}{END}{rest.split(END)[1]}"
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="exit 1 if the file is out of date")
     args = parser.parse_args(argv)
-    current = DOC.read_text() if DOC.is_file() else ""
-    try:
-        updated = splice(current, render())
-    except ValueError as err:
-        print(err, file=sys.stderr)
-        return 1
-    if args.check:
-        if updated == current:
-            return 0
-        diff = difflib.unified_diff(current.splitlines(), updated.splitlines(), "on disk", "generated", lineterm="")
-        print("\n".join(list(diff)[:40]), file=sys.stderr)
-        print(f"{DOC.relative_to(REPO)} is out of date: run python tools/gen_verl_docs.py", file=sys.stderr)
-        return 1
-    if updated != current:
-        DOC.write_text(updated)
-        print(f"wrote {DOC.relative_to(REPO)}")
-    return 0
+    return write_or_check(DOC, str(DOC.relative_to(REPO)), render(), BEGIN, END, args.check, "tools/gen_verl_docs.py")
 
 
 if __name__ == "__main__":
