@@ -28,9 +28,9 @@ def load_storm():
 
 def test_small_storm_finishes_every_run_with_identical_metrics(tmp_path: Path, tiny_model_dir: Path) -> None:
     storm = load_storm()
-    summary = storm.main(["--runs", "3", "--layouts", "embedded,split", "--hits", "2", "--steps", "6",
+    summary = storm.main(["--runs", "2", "--layouts", "embedded,split", "--hits", "2", "--steps", "6",
                           "--interval", "2", "--seed", "7", "--model", str(tiny_model_dir), "--out", str(tmp_path)])
-    assert summary["runs"] == 3 and summary["finished"] == 3, summary
+    assert summary["runs"] == 2 and summary["finished"] == 2, summary
     assert summary["mismatches"] == 0, summary
     assert summary["hung"] == 0 and summary["orphans"] == 0, summary
     assert summary["interruptions"] >= 2, summary

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -64,12 +65,22 @@ def test_sigkill_after_a_checkpoint_then_resume_is_exact(tmp_path: Path, tiny_mo
         assert resumed[tag] == whole[tag], tag  # bitwise: same numbers, step by step
 
 
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> tuple[Path, Path]:
+    """(5 steps uninterrupted, 4 steps) on the split config's two actor ranks: both resharding
+    tests start from the same two runs, trained once."""
+    root = tmp_path_factory.mktemp("two_rank_runs")
+    _train(root / "whole", tiny_model_dir, "trainer.total_steps=5")
+    _train(root / "four", tiny_model_dir, "trainer.total_steps=4")
+    return root / "whole", root / "four"
+
+
 @pytest.mark.parametrize("actor_ids", ["[0]", "[0,1,2,3]"])
-def test_resume_on_another_number_of_actor_processes(tmp_path: Path, tiny_model_dir: Path, actor_ids: str) -> None:
-    whole = tmp_path / "whole"
-    _train(whole, tiny_model_dir, "trainer.total_steps=5")
+def test_resume_on_another_number_of_actor_processes(tmp_path: Path, tiny_model_dir: Path, actor_ids: str,
+                                                     two_rank_runs: tuple[Path, Path]) -> None:
+    whole, four = two_rank_runs
     resharded = tmp_path / "resharded"
-    _train(resharded, tiny_model_dir, "trainer.total_steps=4")
+    shutil.copytree(four, resharded)  # each test resumes a copy of its own
     proc = _train(resharded, tiny_model_dir, "trainer.total_steps=5", f"resources.actor.device_ids={actor_ids}",
                   "resources.rollout.device_ids=[4]", "resources.reward.device_ids=[5]",
                   "--allow-config-change")  # more steps is a change of the run's config; resources are not
