@@ -33,7 +33,7 @@ def build_smollm2() -> Path:
 
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess, Path]:
-    """One `bench all --quick` for every test here: the memory benchmark's two SmolLM2 runs included."""
+    """One `bench all --quick` for every test here: the memory benchmark's SmolLM2 run included."""
     build_smollm2()
     out = tmp_path_factory.mktemp("bench_results")
     scratch = tmp_path_factory.mktemp("bench_scratch")
