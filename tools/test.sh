@@ -43,6 +43,11 @@ if ! command -v bwrap >/dev/null 2>&1; then
     >/dev/null 2>&1 || echo "test.sh: could not install bubblewrap; the sandbox tests run the unshare backend only" >&2
 fi
 export TOKENIZERS_PARALLELISM=false
+# One compute thread per process: the sessions below and the multi-process runs keep more processes
+# runnable than there are cores, and torch's OpenMP threads then spin waiting for each other. Measured
+# at load 8 on 2 cores, 60 quickstart steps in one process: 17 s of CPU with one thread, 90 s with
+# two, and the same numbers bit for bit. A test that wants more sets trainer.torch_threads.
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 if [ "$#" -gt 0 ]; then
   exec .venv/bin/python -m pytest "$@"
 fi
