@@ -128,7 +128,7 @@ DESCRIPTIONS: dict[str, str] = {
     "trainer.<optim>.warmup_steps": "steps of linear LR warm-up before the schedule; 0 = none",
     "trainer.<optim>.schedule": "LR after warm-up: `constant`, or `cosine` decay to 0 at `total_steps`",
     "trainer.save_hf_model": "export the trained policy to `<run_dir>/hf_model` at the end",
-    "trainer.torch_threads": "torch CPU threads (`torch.set_num_threads`); null = torch's default",
+    "trainer.torch_threads": "torch CPU threads (`torch.set_num_threads`); null = torch's default (the local launcher's ranks share the machine's cores unless OMP_NUM_THREADS is set)",
     "trainer.oom_retry": "on an out-of-memory error, retry the step's update (or generation) with half the micro-batch (docs/elastic.md)",
     "trainer.min_micro_batch_size": "the smallest micro-batch an OOM retry may use; below it the run fails with the numbers",
     # resources

@@ -9,6 +9,7 @@ psutil, that nothing survives; a fixture kills leftovers so a failing test leaks
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -177,6 +178,13 @@ def test_env_logs_and_success(tmp_path: Path, out: Path) -> None:
         log = run_dir / "logs" / f"{group}_rank{rank}.out"
         assert f"hello from rank {rank} ok" in log.read_text()
     assert not any(alive(pid) for pid in launcher.pids.values())
+
+
+def test_ranks_share_the_cores_unless_the_environment_says_otherwise() -> None:
+    plan = split_plan()  # 3 ranks
+    shared = str(max(1, (os.cpu_count() or 1) // 3))
+    assert {worker_env(plan, r, 1234, Path("/run"), {})["OMP_NUM_THREADS"] for r in range(3)} == {shared}
+    assert worker_env(plan, 0, 1234, Path("/run"), {"OMP_NUM_THREADS": "3"})["OMP_NUM_THREADS"] == "3"
 
 
 def test_worker_env_cuda_devices() -> None:
