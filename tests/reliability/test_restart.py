@@ -43,8 +43,10 @@ def test_anything_else_is_still_refused(tmp_path: Path, change: str) -> None:
     run_dir = _killed_at_startup(tmp_path / "run", stored)
     if change == "other config":  # one step recorded: the new config would contradict it
         (run_dir / "tensorboard" / "metrics.jsonl").write_text('{"step": 1}\n')
-    if change == "finished":
-        (run_dir / "hf_model").mkdir()
+    if change == "finished":  # the run state says so: the last step's checkpoint is committed
+        last = run_dir / "checkpoints" / f"step_{cfg.trainer.total_steps:08d}"
+        last.mkdir()
+        (last / "manifest.json").write_text("{}")
     if change == "resume never":
         cfg = load_config(QUICKSTART, ["checkpoint.resume=never"])
     with pytest.raises(ConfigError, match="already holds a run"):
