@@ -117,13 +117,9 @@ def _visible_device(device_id: int, inherited: str | None) -> str:
 
 def worker_env(plan: ProcessPlan, rank: int, master_port: int, run_dir: Path,
                base_env: dict[str, str]) -> dict[str, str]:
-    """The full environment of one global rank: base_env plus the launcher's variables.
-
-    Unless base_env sets OMP_NUM_THREADS, the ranks share this machine's cores (as torchrun
-    does): each rank's OpenMP threads would otherwise be as many as the cores, and on a machine
-    with more runnable threads than cores they spin waiting for each other (5x the CPU for the
-    same numbers, measured). `trainer.torch_threads` still sets a rank's own count.
-    """
+    """The full environment of one global rank: base_env plus the launcher's variables. Unless base_env
+    sets OMP_NUM_THREADS the ranks share the cores (torchrun's rule): ranks that each take every core
+    spin against each other (5x the CPU for the same numbers, measured)."""
     group, group_rank = plan.locate(rank)
     env = dict(base_env)
     env.setdefault("PYTHONUNBUFFERED", "1")  # so a crash's last log lines are really the last
