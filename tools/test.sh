@@ -7,7 +7,9 @@
 # With no arguments three pytest sessions run side by side, each with a base temp dir of its own:
 #   slurm   tests/slurm: jobs on a local cluster that mostly wait on the scheduler (time limits,
 #           requeues, hetjob start-up), so they cost the CPU little and run beside everything else;
-#           with them the agent episodes' placement and resume runs, which that slack absorbs;
+#           with them the agent episodes' placement and resume runs, the SmolLM2, judge and vLLM
+#           end-to-end runs and the validation runs, which that slack absorbs (with one thread per
+#           process, measured here before these moved: slurm 34, beside ~55, main over 75 minutes);
 #   beside  the reliability, resume and multi-process runs (runs killed and restarted, split runs
 #           through the CLI and the Python API, real Prometheus servers scraping a run, the leak
 #           soak, every placement replaying recorded rollouts, every preset learning);
@@ -53,7 +55,9 @@ if [ "$#" -gt 0 ]; then
 fi
 scratch="${TMPDIR:-/tmp}/verl-hpc-tests"
 mkdir -p "$scratch"
-slurm=(tests/slurm tests/runtime/test_agent_placements.py tests/runtime/test_agent_resume.py)
+slurm=(tests/slurm tests/runtime/test_agent_placements.py tests/runtime/test_agent_resume.py
+       tests/e2e/test_smollm2_gsm8k.py tests/e2e/test_smollm2_tools.py tests/e2e/test_judge_e2e.py
+       tests/e2e/test_vllm_e2e.py tests/runtime/test_validation.py)
 beside=(tests/reliability tests/runtime/test_resume.py tests/e2e/test_dist_e2e.py tests/launch/test_facade.py
         tests/roles/test_lora.py tests/metrics/test_prometheus.py tests/e2e/test_soak.py
         tests/runtime/test_placement_equivalence.py tests/algo/test_preset_learning.py)
