@@ -18,10 +18,13 @@ VLLM_ROLLOUT = ("resources.rollout={device_type: cpu, device_ids: [2], strategy:
                 "vllm_args: {dtype: float32, enforce_eager: true, kv_cache_space_gb: 1}}")
 
 
-def _engine_processes() -> list[psutil.Process]:
+def _engine_processes(under: Path) -> list[psutil.Process]:
+    """This test's engines: their command line names its model, which lives under the test's tmp dir
+    (other pytest sessions run engines of their own at the same time)."""
     found = []
     for proc in psutil.process_iter(["cmdline"]):
-        if "verl_hpc.roles.rollout.vllm_server" in " ".join(proc.info["cmdline"] or []):
+        cmdline = " ".join(proc.info["cmdline"] or [])
+        if "verl_hpc.roles.rollout.vllm_server" in cmdline and str(under) in cmdline:
             found.append(proc)
     return found
 
@@ -43,7 +46,7 @@ def test_quickstart_vllm_learns_with_one_engine_start(tmp_path: Path) -> None:
     assert _starts(run_dir) == 1  # one engine for the whole run, not one per step
     assert all(r["perf/weight_sync_bytes"] > 0 and r["timing_s/update_weights"] > 0 for r in rows)
     assert rows[-1]["actor/policy_version"] == 50
-    assert not _engine_processes()
+    assert not _engine_processes(tmp_path)
 
 
 @pytest.mark.parametrize("preset", ["tiny-hd32", "tiny-llama"])
@@ -64,7 +67,7 @@ def test_split_rollout_rank_serves_vllm_and_takes_broadcast_weights(tmp_path: Pa
         [r["training/rollout_probs_diff_max"] for r in trained]
     # two FSDP2 trainer ranks (quickstart_split): each sent its own rows into vLLM's loader, no gather
     assert "every trainer rank sends its own rows" in (run_dir / "logs" / "trainer_rank0.log").read_text()
-    assert not _engine_processes()
+    assert not _engine_processes(tmp_path)
 
 
 def test_colocated_fsdp_ranks_each_drive_an_engine_and_export(tmp_path: Path) -> None:
@@ -80,4 +83,4 @@ def test_colocated_fsdp_ranks_each_drive_an_engine_and_export(tmp_path: Path) ->
     assert [r["actor/policy_version"] for r in rows] == [1, 2, 3]
     assert all(r["perf/weight_sync_bytes"] > 0 for r in rows)
     assert (run_dir / "hf_model" / "config.json").exists()  # exported from the actor, not the engine
-    assert not _engine_processes()
+    assert not _engine_processes(tmp_path)

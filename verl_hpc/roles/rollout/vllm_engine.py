@@ -91,6 +91,13 @@ def engine_options(model_dir: str, device_type: str, args: VllmArgs, colocated: 
             "enable_sleep_mode": device_type == "cuda" and (args.enable_sleep_mode or colocated)}
 
 
+# Starting an engine imports vLLM, loads the model and allocates its KV cache: minutes on a loaded
+# CPU machine, far longer than one step's collective (resources.timeout_seconds, 60 s in the colocated
+# example). The child is polled while it starts, so a crash still fails at once; only a hung start
+# waits this long.
+ENGINE_START_ALLOWANCE_S = 600.0
+
+
 class VLLMRolloutEngine:
     starts = 0  # engines started by this process; a run starts one per rollout rank, never one per step
 
@@ -121,8 +128,9 @@ class VLLMRolloutEngine:
                                         stdout=out, stderr=subprocess.STDOUT if out else None,
                                         start_new_session=True)
         try:
-            self.conn = self._accept(listener)
-            info = self._reply("start", self.timeout)
+            start_timeout = max(self.timeout, ENGINE_START_ALLOWANCE_S)
+            self.conn = self._accept(listener, start_timeout)
+            info = self._reply("start", start_timeout)
         except BaseException:
             listener.close()
             self.close()
@@ -135,17 +143,17 @@ class VLLMRolloutEngine:
         log.info("vllm engine started: pid %d, %.1fs (%s)", info["pid"], time.monotonic() - started,
                  ", ".join(f"{k}={v}" for k, v in self.options.items() if k != "model"))
 
-    def _accept(self, listener: Listener) -> Connection:
+    def _accept(self, listener: Listener, timeout: float) -> Connection:
         """Wait for the child to connect, failing fast if it dies first."""
         accepted: list[Connection] = []
         waiter = threading.Thread(target=lambda: accepted.append(listener.accept()), daemon=True)
         waiter.start()
-        deadline = time.monotonic() + self.timeout
+        deadline = time.monotonic() + timeout
         while not accepted:
             if self.process.poll() is not None:
                 raise EngineError(f"vllm engine exited with code {self.process.returncode} before connecting")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"vllm engine did not connect within {self.timeout:.0f}s")
+                raise TimeoutError(f"vllm engine did not connect within {timeout:.0f}s")
             waiter.join(0.05)
         return accepted[0]
 
