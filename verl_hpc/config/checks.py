@@ -370,9 +370,10 @@ def check_multi_turn(cfg: RunConfig) -> None:
     if not mt.enable:
         return
     field = "rollout.multi_turn"
-    if not mt.tools and mt.tool_config_path is None:
-        raise FieldError(f"{field}.tools", "multi-turn rollouts are enabled but no tool is configured",
-                         "list functions under rollout.multi_turn.tools (module:function) or set tool_config_path")
+    if not mt.tools and mt.tool_config_path is None and mt.environment is None:
+        raise FieldError(f"{field}.tools", "multi-turn rollouts are enabled but no tool or environment is "
+                         "configured", "list functions under rollout.multi_turn.tools (module:function), set "
+                         "tool_config_path, or set rollout.multi_turn.environment")
     for key in ("tool_config_path", "chat_template"):
         path = getattr(mt, key)
         if path is not None and not expand_path(path).is_file():

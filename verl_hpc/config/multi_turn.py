@@ -13,7 +13,7 @@ limits, metrics and the `-norm` aggregation keep meaning "tokens the model wrote
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -30,6 +30,22 @@ class SandboxConfig(StrictModel):
     wall_seconds: float = Field(10.0, gt=0, description="the child is killed (its whole PID namespace) after this")
     max_processes: int = Field(32, ge=1, description="RLIMIT_NPROC for the unprivileged uid the code runs as")
     max_output_bytes: int = Field(65536, ge=1, description="stdout/stderr kept per run")
+
+
+class EnvironmentConfig(StrictModel):
+    """An environment that answers each model turn (a game, a simulator, a grader): verl_hpc.roles.env.
+
+    Its rewards' sum reaches the reward function as `extra_info["env_reward"]`;
+    `reward.function: verl_hpc.data.trajectory:environment_score` scores an episode by it alone."""
+
+    source: Literal["textarena", "python"] = Field(description="textarena: a TextArena game by id; python: a "
+                                                   "class (`module:Class` or `file.py:Class`) with reset/step, "
+                                                   "OpenEnv `Environment` subclasses included")
+    id: str = Field(description="the game id (GuessTheNumber-v0) or the class")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="given to the game's or class's constructor")
+    timeout_seconds: float = Field(30.0, gt=0, description="a reset or step running longer fails its episode "
+                                   "(counted in env/failures); the run goes on")
+    workers: int = Field(64, ge=1, description="environment calls running at once, over all episodes of a step")
 
 
 class MultiTurnConfig(StrictModel):
@@ -64,6 +80,9 @@ class MultiTurnConfig(StrictModel):
                                        "resume), but tool latency is no longer hidden behind generation")
     add_tool_rewards: bool = Field(False, description="add the rewards tools return (turn-level) to the score")
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig, description="the code tool's limits")
+    environment: EnvironmentConfig | None = Field(None, description="an environment answers each final turn "
+                                                  "with the next user turn until it says done; each row's "
+                                                  "`extra_info.env_seed` (else its index) seeds its reset")
 
     @property
     def user_turns(self) -> int:

@@ -31,7 +31,11 @@ def episode_counts(records: list[dict[str, Any]]) -> tuple[dict[str, float], dic
             "errors": float(sum(c.get("error") is not None for c in calls)),
             "tool_seconds": float(sum(c.get("seconds", 0.0) for c in calls)),
             "truncated": float(sum(bool(r.get("truncated")) for r in records)),
-            "mismatch": float(sum(bool(r.get("template_mismatch")) for r in records))}
+            "mismatch": float(sum(bool(r.get("template_mismatch")) for r in records)),
+            "env_steps": float(sum(r.get("env_steps", 0) for r in records)),
+            "env_seconds": float(sum(r.get("env_seconds", 0.0) for r in records)),
+            "env_failures": float(sum(bool(r.get("env_failed")) for r in records)),
+            "env_done": float(sum(bool(r.get("env_done")) for r in records))}
     return sums, {"turns": max(turns, default=0.0)}
 
 
@@ -41,4 +45,18 @@ def episode_metrics(sums: dict[str, float], maxes: dict[str, float]) -> dict[str
     return {"agent/num_turns/mean": sums["turns"] / episodes, "agent/num_turns/max": maxes["turns"],
             "agent/tool_calls/mean": sums["calls"] / episodes, "agent/tool_errors": sums["errors"],
             "agent/tool_time_s": sums["tool_seconds"], "agent/truncated_ratio": sums["truncated"] / episodes,
-            "agent/template_mismatch": sums["mismatch"]}
+            "agent/template_mismatch": sums["mismatch"], **_env_metrics(sums, episodes)}
+
+
+def _env_metrics(sums: dict[str, float], episodes: float) -> dict[str, float]:
+    """`env/*` when the episodes had an environment (it stepped, or failed)."""
+    if not sums.get("env_steps") and not sums.get("env_failures"):
+        return {}
+    return {"env/failures": sums["env_failures"], "env/steps/mean": sums["env_steps"] / episodes,
+            "env/done_ratio": sums["env_done"] / episodes, "env/time_s": sums["env_seconds"]}
+
+
+def environment_score(prompt: str = "", response: str = "", ground_truth: str = "",
+                      extra_info: dict[str, Any] | None = None, **_: object) -> float:
+    """An episode's score as its environment gave it: the sum of its per-step rewards (0 if it failed)."""
+    return float((extra_info or {}).get("env_reward") or 0.0)

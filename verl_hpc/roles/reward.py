@@ -244,7 +244,7 @@ class RuleReward(_Checked):
 def _episode_info(episode: dict[str, Any]) -> dict[str, Any]:
     """What `compute_score` sees of an episode in `extra_info`."""
     return {key: episode.get(key) for key in ("messages", "tool_calls", "num_turns", "tool_rewards", "finished",
-                                              "truncated")}
+                                              "truncated", "env_reward", "env_done", "env_failed")}
 
 
 def _call(fn: Callable[..., Any], kwargs: dict[str, Any]) -> tuple[str, Any]:

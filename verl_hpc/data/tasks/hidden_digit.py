@@ -6,23 +6,25 @@ model cannot see it, memorise it from the prompt or guess it better than the mos
 digit of the data (`best_constant_accuracy`; the digits run 0..`data.task.max_operand`, 0..4 by
 default, so about 1/5): a policy that ignores tool replies is capped there, whatever it does. A policy that calls `peek` and copies the reply scores 1.
 
-The reward is shaped in two steps, both measured necessary for the tiny model: an answer given
-without opening the box scores 0 (a guess is not knowing; without that rule a random policy
-learns to stop calling before it learns to copy, since a call spends turns and tokens a guess
-does not), and opening it then answering earns `LOOK_CREDIT` whatever the answer (without it a
-random policy's reward is right only when it both calls and happens to write the digit, ~1 in 50
-episodes, and most groups have no spread at all; crediting the look alone, measured, teaches a
-policy that calls in every turn and never answers). A policy that looks and ignores the reply still earns at most
-LOOK_CREDIT + (1 - LOOK_CREDIT) x best_constant_accuracy.
+The reward is shaped in three steps, each measured necessary for the tiny model:
+- an answer given without opening the box scores 0: a guess is not knowing (without that rule a
+  random policy learns to stop calling before it learns to copy, since a call spends turns and
+  tokens a guess does not);
+- opening the box and then answering earns `LOOK_CREDIT` whatever the answer: a random policy's
+  answer is right only when it both calls and happens to write the digit (~1 episode in 50), so
+  without it most groups have no reward spread at all;
+- an answer that is one number and nothing else, its turn ended, earns `FORM_CREDIT`: with only
+  the two credits above, the policy learned to look in every episode by step ~25 and then never
+  learned to end its answer (a run-on of random tokens whose first number is rarely the digit,
+  the score stuck at 0.25-0.35 for 200 steps). Once answers are one digit, a random choice among
+  the digits is right 1 time in 5 and groups have spread; the rest is copying the reply.
+A policy that ignores the reply still earns at most LOOK_CREDIT + FORM_CREDIT + the remaining
+credit x best_constant_accuracy; the test of the task compares the greedy policy's accuracy with
+`best_constant_accuracy`, which no shaping changes.
 
 Why the tiny model can learn it (`tiny-agent` preset, ~50 tokens, the call one token): a random
 policy ends about one first turn in eight with the call, so most groups of 8 have reward spread
-from the first step. Measured with configs/agent_quickstart.yaml (64 episodes a step): the policy
-opens the box in nearly every episode after ~30 steps; what is then left is "copy the digit of
-the reply". That is not learned yet: with digits 0..3 and 150-200 steps the answer turn never
-learned to end, and the policy settled on a look plus a run-on answer that ignores the reply.
-Scoring is the arithmetic task's: the first integer of the final answer, 1 when that is all it
-says and it ended its turn, 0.5 when it runs on.
+from the first step.
 """
 
 from __future__ import annotations
@@ -32,10 +34,11 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from verl_hpc.data.tasks.arithmetic import score as _first_integer_score
+from verl_hpc.data.tasks.arithmetic import first_integer
 
 QUESTION = "what is in the box"
 LOOK_CREDIT = 0.2  # for opening the box at all: the first thing a random policy must find
+FORM_CREDIT = 0.2  # for an answer that is one number and ends its turn: makes the digit a 1-in-5 choice
 TOOL = "verl_hpc.data.tasks.hidden_digit:peek"
 
 
@@ -84,11 +87,14 @@ def answered(extra_info: dict[str, Any] | None) -> bool:
 def score(prompt: str, response: str, ground_truth: str, finished: bool | None = None,
           extra_info: dict[str, Any] | None = None, **_: object) -> float:
     """0 for an answer given without opening the box (a guess is not knowing what is in it) and for no
-    answer at all; an answer after a look earns LOOK_CREDIT plus the rest for its first integer against
-    the hidden digit (all of it when that is all it says and it ended its turn, half when it runs on)."""
+    answer at all. An answer after a look earns LOOK_CREDIT, FORM_CREDIT more when it is one number and
+    nothing else with its turn ended, and the rest when its first number is the hidden digit."""
     if not (looked(extra_info) and answered(extra_info)):
         return 0.0
-    return LOOK_CREDIT + (1.0 - LOOK_CREDIT) * _first_integer_score(prompt, response, ground_truth, finished)
+    answer = first_integer(response)
+    lone = answer is not None and finished is not False and response.strip() == answer
+    right = answer is not None and answer == ground_truth.strip()
+    return LOOK_CREDIT + FORM_CREDIT * lone + (1.0 - LOOK_CREDIT - FORM_CREDIT) * right
 
 
 def best_constant_accuracy(num_prompts: int, seed: int, max_digit: int = 9) -> float:

@@ -35,6 +35,11 @@ class Episode:
     assistant_turns: int = 0
     tool_turns: int = 0
     tool_rewards: float = 0.0
+    env_reward: float = 0.0    # the environment's rewards so far (roles/env)
+    env_steps: int = 0
+    env_seconds: float = 0.0
+    env_done: bool = False     # the environment said the episode is over
+    env_failed: bool = False   # the environment raised, hung or answered garbage: counted in env/failures
     done: bool = False
     finished: bool = False     # the last turn ended with the end-of-turn token and asked for no tool
     truncated: bool = False    # stopped by a budget (turns, tokens, length) while it had more to do
@@ -73,7 +78,9 @@ class Episode:
         """The `trajectory` column's JSON: what the reward and the samples view read."""
         return {"messages": self.messages, "tool_calls": self.tool_log, "final_answer": self.final_answer,
                 "finished": self.finished, "truncated": self.truncated, "num_turns": self.assistant_turns,
-                "tool_rewards": self.tool_rewards, "template_mismatch": self.template_mismatch}
+                "tool_rewards": self.tool_rewards, "template_mismatch": self.template_mismatch,
+                "env_reward": self.env_reward, "env_steps": self.env_steps, "env_seconds": self.env_seconds,
+                "env_done": self.env_done, "env_failed": self.env_failed}
 
     def record_json(self) -> str:
         return json.dumps(self.record(), default=str)

@@ -27,6 +27,7 @@ from verl_hpc.roles.agent.parsers import ToolCallParser
 from verl_hpc.roles.agent.render import ChatRenderer
 from verl_hpc.roles.agent.tool_runner import ToolOutcome, ToolRunner
 from verl_hpc.roles.allocator import generate_guarded
+from verl_hpc.roles.env.runner import EnvOutcome, EnvRunner
 
 log = logging.getLogger(__name__)
 
@@ -49,9 +50,10 @@ class AgentLoop:
 
     def __init__(self, engine: Any, tokenizer: Any, renderer: ChatRenderer, parser: ToolCallParser,
                  runner: ToolRunner, multi_turn: Any, eot_ids: Sequence[int], max_context: int | None = None,
-                 allocator: Any = None):
+                 allocator: Any = None, envs: EnvRunner | None = None):
         self.engine, self.tokenizer, self.renderer, self.parser, self.runner = \
             engine, tokenizer, renderer, parser, runner
+        self.envs = envs  # an environment answers each final turn (roles/env), or None
         self.allocator = allocator  # generation's OOM retries: a round is cut into smaller chunks
         self.cfg = multi_turn
         self.eot_ids = set(int(i) for i in eot_ids)
@@ -61,10 +63,20 @@ class AgentLoop:
         self.max_new_tokens = 0  # the model's token budget of the episodes in flight (sampling.max_new_tokens)
         self.round_seconds = 0.0  # the latest round's generation time: how long replies are gathered
 
-    def start(self, key: tuple[int, int, int], prompt: Any, tools_kwargs: dict[str, Any] | None) -> Episode:
+    def start(self, key: tuple[int, int, int], prompt: Any, tools_kwargs: dict[str, Any] | None,
+              first: EnvOutcome | None = None) -> Episode:
+        """A new episode; with an environment, its reset's observation (`first`) is the last user turn."""
         from verl_hpc.roles.agent.render import as_messages
 
-        return Episode(key, self.renderer.prompt_ids(prompt), as_messages(prompt), dict(tools_kwargs or {}))
+        messages = as_messages(prompt)
+        if first is not None and first.reply is not None:
+            messages.append({"role": "user", "content": first.reply.text})
+        episode = Episode(key, self.renderer.prompt_ids(messages), messages, dict(tools_kwargs or {}))
+        if first is not None:
+            episode.env_seconds += first.seconds
+            if first.reply is None:  # its reset failed: one turn on the row's own prompt, then it ends
+                episode.env_failed = True
+        return episode
 
     def budget(self, episode: Episode, max_new_tokens: int) -> int:
         """Tokens the episode's next turn may sample: the model's budget left, within the length caps."""
@@ -148,6 +160,9 @@ class AgentLoop:
         episode.messages.append(message)
         if not parsed.calls:
             episode.final_answer = self._clean(parsed.content)
+            if self.envs is not None and closed and not episode.env_failed:
+                self.step_environment(episode)
+                return
             episode.end(finished=closed, truncated=not closed)
             return
         out_of_turns = episode.assistant_turns >= self.cfg.max_assistant_turns or \
@@ -157,16 +172,47 @@ class AgentLoop:
             return
         episode.pending = self.runner.submit(episode.name, parsed.calls, episode.tools_kwargs)
 
-    def take_replies(self, episode: Episode, outcomes: list[ToolOutcome]) -> None:
+    def step_environment(self, episode: Episode) -> None:
+        """The final turn goes to the episode's environment, unless it has no reply turn left."""
+        if episode.assistant_turns >= self.cfg.max_assistant_turns or episode.tool_turns >= self.cfg.user_turns \
+                or self.budget(episode, self.max_new_tokens) <= 0:
+            episode.end(finished=True, truncated=True)  # the game goes on, the episode's budget does not
+            return
+        episode.pending = self.envs.submit(episode.name, episode.final_answer)  # type: ignore[union-attr]
+
+    def take_env_reply(self, episode: Episode, outcome: EnvOutcome) -> None:
+        """The environment's observation becomes the next user turn; `done` or a failure ends the episode."""
+        episode.env_seconds += outcome.seconds
+        if outcome.reply is None:
+            log.warning("environment failed in %s: %s", episode.name, outcome.error)
+            episode.env_failed = True
+            episode.end(finished=True, truncated=False)
+            return
+        episode.env_steps += 1
+        episode.env_reward += outcome.reply.reward
+        if outcome.reply.done:
+            episode.env_done = True
+            episode.end(finished=True, truncated=False)
+            return
+        self.insert(episode, [{"role": "user", "content": outcome.reply.text}])
+
+    def take_replies(self, episode: Episode, outcomes: list[ToolOutcome] | EnvOutcome) -> None:
         """The tool replies become tool messages; their template text is appended as inserted ids."""
         episode.pending = None
-        episode.tool_turns += 1
+        if isinstance(outcomes, EnvOutcome):
+            self.take_env_reply(episode, outcomes)
+            return
         turn = episode.assistant_turns
         replies = []
         for outcome in outcomes:
             episode.tool_log.append({"turn": turn, **outcome.log_entry()})
             episode.tool_rewards += outcome.reward
             replies.append({"role": "tool", "content": outcome.text})
+        self.insert(episode, replies)
+
+    def insert(self, episode: Episode, replies: list[dict[str, Any]]) -> None:
+        """Messages the model did not write, appended as the template's delta ids (loss mask 0)."""
+        episode.tool_turns += 1
         episode.messages.extend(replies)
         delta = self.renderer.delta_ids(replies, episode.last_close)
         cap = None if self.cfg.max_response_tokens is None else self.cfg.max_response_tokens - len(episode.response_ids)
@@ -187,6 +233,8 @@ class AgentLoop:
     def finish(self, episode: Episode) -> None:
         """Tool instances released (their rewards kept); the template's own rendering compared."""
         episode.tool_rewards += self.runner.finish(episode.name, episode.tools_kwargs)
+        if self.envs is not None:
+            self.envs.finish(episode.name)
         if episode.finished:
             ours = [*episode.prompt_ids, *episode.response_ids, *self.renderer.closing_ids(episode.last_close)]
             try:

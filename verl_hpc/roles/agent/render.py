@@ -106,6 +106,13 @@ class ChatRenderer:
         """The whole conversation as the template would tokenise it (the `template_mismatch` check)."""
         return self.encode(self.render(messages, generation_prompt=False))
 
+    def check_user_turns(self) -> None:
+        """Refuse, in one line, a template that cannot append a user turn after an answer as a delta."""
+        if self.delta_text([{"role": "user", "content": "42"}], "") is None:
+            raise ConfigError(_FIELD, f"{self.source} renders earlier messages differently once another user "
+                              "turn follows, so an environment's turns cannot be appended as deltas", _HINT)
+        log.info("multi-turn chat template: %s", self.source)
+
     def check_tool_capable(self) -> None:
         """Refuse, in one line, a template that cannot hold a tool conversation."""
         user = [{"role": "user", "content": "probe"}]

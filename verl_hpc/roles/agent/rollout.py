@@ -21,6 +21,7 @@ from verl_hpc.roles.agent.parsers import get_parser
 from verl_hpc.roles.agent.render import ChatRenderer
 from verl_hpc.roles.agent.tool_runner import ToolRunner
 from verl_hpc.roles.agent.tools import load_tools
+from verl_hpc.roles.env.runner import EnvRunner
 from verl_hpc.utils.fs import expand_path
 
 log = logging.getLogger(__name__)
@@ -35,14 +36,38 @@ def tools_kwargs_of(extra_info: str | None) -> dict[str, Any]:
     return found if isinstance(found, dict) else {}
 
 
+def env_start(extra_info: str | None, index: int) -> tuple[int | None, dict[str, Any]]:
+    """(seed, reset kwargs) of a row's environment: `extra_info.env_seed` (else the row's index) and
+    `extra_info.env_kwargs`."""
+    info = json.loads(extra_info) if extra_info else {}
+    info = info if isinstance(info, dict) else {}
+    seed = info.get("env_seed", index)
+    kwargs = info.get("env_kwargs")
+    return (None if seed is None else int(seed)), (dict(kwargs) if isinstance(kwargs, dict) else {})
+
+
+def env_runner(multi_turn: Any) -> EnvRunner | None:
+    """The run's environment runner, with the class or game checked by building one now."""
+    env = multi_turn.environment
+    if env is None:
+        return None
+    from verl_hpc.roles.env.sources import make_environment
+
+    make_environment(env.source, env.id, env.kwargs).close()  # a bad id or class: refused before any step
+    return EnvRunner(lambda: make_environment(env.source, env.id, env.kwargs), env.workers, env.timeout_seconds)
+
+
 def checked_renderer(multi_turn: Any, tokenizer: Any, schemas: list[dict[str, Any]]) -> ChatRenderer:
     """The run's chat template (`chat_template`, else the tokenizer's) over these tools, refused in
-    one line if it cannot hold a tool conversation."""
+    one line if it cannot hold a tool conversation (with no tools: a conversation of user turns)."""
     template = None
     if multi_turn.chat_template is not None:
         template = expand_path(multi_turn.chat_template).read_text()
     renderer = ChatRenderer(tokenizer, schemas, template, f"rollout.multi_turn.chat_template {multi_turn.chat_template}")
-    renderer.check_tool_capable()
+    if schemas:
+        renderer.check_tool_capable()
+    else:
+        renderer.check_user_turns()
     return renderer
 
 
@@ -58,23 +83,32 @@ class AgentRollout:
         self.runner = ToolRunner(self.tools, multi_turn.tool_workers, multi_turn.tool_timeout_seconds,
                                  multi_turn.max_tool_response_length, multi_turn.tool_response_truncate_side,
                                  multi_turn.max_parallel_calls)
+        self.envs = env_runner(multi_turn)
         self.loop = AgentLoop(engine, tokenizer, self.renderer, self.parser, self.runner, multi_turn, eot_ids,
-                              max_context, allocator)
+                              max_context, allocator, self.envs)
         self.last_episodes: list[Episode] = []
-        log.info("multi-turn rollouts: tools %s, format %s, template: %s", ", ".join(self.tools.tools),
-                 multi_turn.format, self.renderer.source)
+        log.info("multi-turn rollouts: tools %s, format %s, template: %s%s", ", ".join(self.tools.tools) or "none",
+                 multi_turn.format, self.renderer.source,
+                 "" if multi_turn.environment is None else
+                 f", environment {multi_turn.environment.source}:{multi_turn.environment.id}")
 
     def episodes(self, step: int, groups: list[int], samples: list[int], prompts: list[Any],
-                 extra_infos: list[str | None]) -> list[Episode]:
-        return [self.loop.start((step, g, s), prompt, tools_kwargs_of(info))
-                for g, s, prompt, info in zip(groups, samples, prompts, extra_infos, strict=True)]
+                 extra_infos: list[str | None], indices: list[int] | None = None) -> list[Episode]:
+        """New episodes; with an environment, each reset first (all at once; the samples of a row share its seed)."""
+        firsts: list[Any] = [None] * len(prompts)
+        if self.envs is not None:
+            starts = [env_start(info, i) for info, i in zip(extra_infos, indices or range(len(prompts)), strict=True)]
+            names = [Episode((step, g, s), [], []).name for g, s in zip(groups, samples, strict=True)]
+            firsts = self.envs.reset_all([(n, seed, kw) for n, (seed, kw) in zip(names, starts, strict=True)])
+        return [self.loop.start((step, g, s), prompt, tools_kwargs_of(info), first)
+                for g, s, prompt, info, first in zip(groups, samples, prompts, extra_infos, firsts, strict=True)]
 
     def rows(self, step: int, groups: list[int], samples: list[int], prompt_index: list[int], dataset: Any,
              sampling: Any, version: int, keep: bool = True) -> RolloutBatch:
         """The step's rows (row = group * n + sample) as finished episodes, unscored; `keep`: their
         metrics are the step's (validation rows are not)."""
         episodes = self.episodes(step, groups, samples, [dataset.prompts[i] for i in prompt_index],
-                                 [dataset.extra_infos[i] for i in prompt_index])
+                                 [dataset.extra_infos[i] for i in prompt_index], list(prompt_index))
         self.loop.run(episodes, sampling, version)
         if keep:
             self.last_episodes = episodes
@@ -91,6 +125,8 @@ class AgentRollout:
 
     def close(self) -> None:
         self.runner.close()
+        if self.envs is not None:
+            self.envs.close()
 
 
 class ToolRewardAdded:

@@ -1,0 +1,116 @@
+"""Environments: OpenEnv-shaped classes and TextArena games answer the model's turns; failures cost an episode."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from tests.conftest import REPO
+from verl_hpc.config import SamplingConfig
+from verl_hpc.config.multi_turn import EnvironmentConfig, MultiTurnConfig
+from verl_hpc.data.trajectory import environment_score
+from verl_hpc.roles.env import EnvFailure, EnvReply, EnvRunner, make_environment
+
+PLUGIN = f"{REPO / 'tests' / 'plugins' / 'agent_envs.py'}:CountdownEnv"
+needs_textarena = pytest.mark.skipif(importlib.util.find_spec("textarena") is None, reason="textarena not installed")
+
+
+def test_an_observation_that_is_not_one_is_refused() -> None:
+    assert EnvReply.checked("hi", 1, True) == EnvReply("hi", 1.0, True)
+    for bad in ((3, 0.0), ("x", "lots"), ("x", float("nan"))):
+        with pytest.raises(EnvFailure):
+            EnvReply.checked(*bad)
+
+
+def test_an_openenv_shaped_class_gets_its_action_built_from_the_turn() -> None:
+    env = make_environment("python", PLUGIN, {"turns": 2})
+    assert env.reset(seed=7) == EnvReply("what is it 7")
+    assert env.step("it is 4") == EnvReply("answer 1", 1.0, False)
+    assert env.step("no idea") == EnvReply("answer 0", 0.0, True)
+
+
+@pytest.mark.parametrize(("mode", "error"), [("raise", "RuntimeError: the simulator crashed"),
+                                             ("hang", "no answer within 0.5 s"),
+                                             ("garbage", "has no text")])
+def test_a_failing_step_is_an_outcome_not_an_exception(mode: str, error: str) -> None:
+    runner = EnvRunner(lambda: make_environment("python", PLUGIN, {"mode": mode}), workers=2, timeout=0.5)
+    first = runner.reset_all([("e0", 1, {})])[0]
+    assert first.reply == EnvReply("what is it 1")
+    outcome = runner.submit("e0", "3").result(timeout=30)
+    assert outcome.reply is None and error in outcome.error
+    runner.close()
+
+
+@needs_textarena
+def test_a_textarena_game_is_seeded_and_answers_each_guess() -> None:
+    first, again = make_environment("textarena", "GuessTheNumber-v0"), make_environment("textarena", "GuessTheNumber-v0")
+    assert "Guess The Number" in first.reset(seed=3).text
+    again.reset(seed=3)
+    target = first.game.state.game_state["game_number"]
+    assert again.game.state.game_state["game_number"] == target  # the seed fixes the number
+    wrong = 1 if target != 1 else 2
+    hint = first.step(f"[{wrong}]")
+    assert hint.text == f"The target number is {'higher' if target > wrong else 'lower'}." and not hint.done
+    won = first.step(f"my guess is [{target}]")
+    assert won.reward == 1.0 and won.done
+
+
+def _agent(model_dir: Path, env: EnvironmentConfig, max_turns: int = 4):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from verl_hpc.roles.agent import AgentRollout
+    from verl_hpc.roles.rollout.base import stop_token_ids
+    from verl_hpc.roles.rollout.hf import HFRolloutEngine
+
+    tok = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
+    engine = HFRolloutEngine(AutoModelForCausalLM.from_pretrained(model_dir), tok)
+    cfg = MultiTurnConfig(enable=True, environment=env, max_assistant_turns=max_turns)
+    return AgentRollout(cfg, engine, tok, stop_token_ids(tok, str(model_dir)), 512), tok
+
+
+@pytest.fixture(scope="module")
+def agent_dir(tmp_path_factory):
+    from verl_hpc.models.tiny import init_model
+
+    return init_model(tmp_path_factory.mktemp("m") / "tiny-agent", preset="tiny-agent", seed=0)
+
+
+def _rows(agent, rows: int, modes: list[str] | None = None):
+    infos = [json.dumps({"env_seed": 100 + i}) for i in range(rows)]
+    ds = SimpleNamespace(prompts=[[{"role": "system", "content": "play"}]] * rows, answers=[""] * rows,
+                         data_sources=[None] * rows, extra_infos=infos)
+    batch = agent.rows(1, list(range(rows)), [0] * rows, list(range(rows)), ds,
+                       SamplingConfig(n=1, max_new_tokens=24), version=2)
+    return batch, [json.loads(t) for t in batch.column("trajectory").to_pylist()]
+
+
+def test_environment_turns_are_inserted_user_turns_and_rewards_add_up(agent_dir: Path) -> None:
+    agent, tok = _agent(agent_dir, EnvironmentConfig(source="python", id=PLUGIN, kwargs={"turns": 3}))
+    batch, records = _rows(agent, 6)
+    for row, record in enumerate(records):
+        users = [m["content"] for m in record["messages"] if m["role"] == "user"]
+        assert users[0] == f"what is it {100 + row}"  # the reset's observation, seeded by the row
+        answers = [m["content"] for m in record["messages"] if m["role"] == "assistant"]
+        assert record["env_steps"] == len(answers) - (0 if record["env_done"] else 1) or record["truncated"]
+        assert users[1:] == [f"answer {3 - k}" for k in range(1, len(users))]
+        assert environment_score(extra_info=record) == record["env_reward"]
+    masks, responses = batch.column("loss_mask").to_pylist(), batch.column("response_ids").to_pylist()
+    for record, mask, ids in zip(records, masks, responses, strict=True):
+        inserted = tok.decode([i for i, m in zip(ids, mask, strict=True) if m == 0])
+        for text in [m["content"] for m in record["messages"] if m["role"] == "user"][1:]:
+            assert text in inserted  # the environment's text is never the model's: loss mask 0
+    metrics = agent.metrics()
+    assert metrics["env/failures"] == 0 and metrics["env/steps/mean"] > 0
+    agent.close()
+
+
+def test_a_failing_environment_costs_its_episode_and_is_counted(agent_dir: Path) -> None:
+    agent, _ = _agent(agent_dir, EnvironmentConfig(source="python", id=PLUGIN, kwargs={"mode": "raise"}))
+    _, records = _rows(agent, 4)
+    assert all(r["env_failed"] and r["env_reward"] == 0.0 for r in records if r["finished"])
+    assert agent.metrics()["env/failures"] == sum(r["env_failed"] for r in records) > 0
+    agent.close()
