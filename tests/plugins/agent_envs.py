@@ -39,3 +39,20 @@ class CountdownEnv:
         self.left -= 1
         reward = 1.0 if any(ch.isdigit() for ch in action.message) else 0.0
         return GuessObservation(prompt=f"answer {self.left}", done=self.left == 0, reward=reward)
+
+
+class PidEnv(CountdownEnv):
+    """CountdownEnv that says which process it lives in, and can take that process down."""
+
+    def reset(self, seed: int | None = None, **kwargs: object) -> GuessObservation:
+        super().reset(seed)
+        import os
+
+        return GuessObservation(prompt=str(os.getpid()))
+
+    def step(self, action: GuessAction) -> GuessObservation:
+        if action.message == "crash":
+            import os
+
+            os._exit(3)
+        return super().step(action)

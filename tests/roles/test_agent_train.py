@@ -125,6 +125,9 @@ def learning_config(model_dir: Path, steps: int) -> dict:
     raw["algorithm"]["sampling"] = {"n": 8, "max_new_tokens": 8}
     raw["algorithm"]["entropy_coef"] = 0.01
     raw["trainer"].update(total_steps=steps, batch_size=64, actor_optim={"lr": 0.003})
+    # Each round waits for every reply: the same seed samples the same episodes however loaded the
+    # machine is (otherwise the rounds, and so the samples, depend on when replies come in).
+    raw["rollout"]["multi_turn"]["deterministic_rounds"] = True
     return raw
 
 

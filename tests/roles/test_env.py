@@ -59,7 +59,7 @@ def test_a_textarena_game_is_seeded_and_answers_each_guess() -> None:
     assert won.reward == 1.0 and won.done
 
 
-def _agent(model_dir: Path, env: EnvironmentConfig, max_turns: int = 4):
+def _agent(model_dir: Path, env: EnvironmentConfig, max_turns: int = 4, deterministic: bool = False):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from verl_hpc.roles.agent import AgentRollout
@@ -68,7 +68,8 @@ def _agent(model_dir: Path, env: EnvironmentConfig, max_turns: int = 4):
 
     tok = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
     engine = HFRolloutEngine(AutoModelForCausalLM.from_pretrained(model_dir), tok)
-    cfg = MultiTurnConfig(enable=True, environment=env, max_assistant_turns=max_turns)
+    cfg = MultiTurnConfig(enable=True, environment=env, max_assistant_turns=max_turns,
+                          deterministic_rounds=deterministic)
     return AgentRollout(cfg, engine, tok, stop_token_ids(tok, str(model_dir)), 512), tok
 
 
@@ -114,3 +115,79 @@ def test_a_failing_environment_costs_its_episode_and_is_counted(agent_dir: Path)
     assert all(r["env_failed"] and r["env_reward"] == 0.0 for r in records if r["finished"])
     assert agent.metrics()["env/failures"] == sum(r["env_failed"] for r in records) > 0
     agent.close()
+
+
+def _process_runner(mode: str = "ok", workers: int = 2, timeout: float = 20.0):
+    from verl_hpc.roles.env.workers import ProcessEnvRunner
+
+    spec = {"source": "python", "id": PLUGIN.replace(":CountdownEnv", ":PidEnv"), "kwargs": {"mode": mode}}
+    return ProcessEnvRunner(spec, workers, timeout)
+
+
+def test_worker_processes_hold_episodes_and_answer_in_parallel() -> None:
+    import os
+
+    runner = _process_runner()
+    try:
+        firsts = runner.reset_all([(f"e{i}", i, {}) for i in range(4)])
+        pids = {int(f.reply.text) for f in firsts}
+        assert len(pids) == 2 and os.getpid() not in pids  # two processes of their own, episodes spread
+        steps = [runner.submit(f"e{i}", "7").result(timeout=30) for i in range(4)]
+        assert all(s.reply == EnvReply("answer 2", 1.0, False) for s in steps)
+    finally:
+        runner.close()
+
+
+def test_a_killed_worker_fails_its_episodes_only_and_is_started_again() -> None:
+    import os
+    import signal
+
+    runner = _process_runner()
+    try:
+        firsts = runner.reset_all([(f"e{i}", i, {}) for i in range(4)])
+        victim = int(firsts[0].reply.text)
+        os.kill(victim, signal.SIGKILL)  # kill -9 mid-episode
+        steps = [runner.submit(f"e{i}", "7").result(timeout=30) for i in range(4)]
+        lost = [i for i in range(4) if int(firsts[i].reply.text) == victim]
+        assert all(steps[i].reply is None and "died" in steps[i].error for i in lost)
+        assert all(steps[i].reply is not None for i in range(4) if i not in lost)
+        for i in range(4):
+            runner.finish(f"e{i}")
+        again = runner.reset_all([(f"f{i}", i, {}) for i in range(4)])  # the next episodes get a new worker
+        assert all(a.reply is not None for a in again) and runner.restarts == 1
+        assert victim not in {int(a.reply.text) for a in again}
+    finally:
+        runner.close()
+
+
+def test_a_worker_that_crashes_or_hangs_costs_a_failure_within_the_timeout() -> None:
+    runner = _process_runner(workers=1, timeout=2.0)
+    try:
+        runner.reset_all([("crash", 0, {})])
+        crashed = runner.submit("crash", "crash").result(timeout=30)
+        assert crashed.reply is None and "exit code 3" in crashed.error
+    finally:
+        runner.close()
+    runner = _process_runner(mode="hang", workers=1, timeout=1.0)
+    try:
+        runner.reset_all([("slow", 0, {})])
+        hung = runner.submit("slow", "7").result(timeout=30)
+        assert hung.reply is None and "no answer within 1 s" in hung.error
+    finally:
+        runner.close()
+
+
+def test_episodes_run_the_same_with_environments_in_worker_processes(agent_dir: Path) -> None:
+    import torch
+
+    env = {"source": "python", "id": PLUGIN, "kwargs": {"turns": 3}}
+    records = []
+    for workers in (0, 2):  # each round waits for every reply: the samples cannot depend on timing
+        agent, _ = _agent(agent_dir, EnvironmentConfig(**env, num_workers=workers), deterministic=True)
+        torch.manual_seed(0)
+        records.append(_rows(agent, 4)[1])
+        agent.close()
+    in_threads, in_processes = records
+    assert any(r["env_steps"] > 0 for r in in_threads)
+    assert [r["messages"] for r in in_processes] == [r["messages"] for r in in_threads]
+    assert [r["env_reward"] for r in in_processes] == [r["env_reward"] for r in in_threads]

@@ -46,6 +46,9 @@ class EnvironmentConfig(StrictModel):
     timeout_seconds: float = Field(30.0, gt=0, description="a reset or step running longer fails its episode "
                                    "(counted in env/failures); the run goes on")
     workers: int = Field(64, ge=1, description="environment calls running at once, over all episodes of a step")
+    num_workers: int = Field(0, ge=0, description="worker processes holding the environments (a crash or hang "
+                             "costs their episodes, not the rollout; a dead worker is started again); 0 = "
+                             "threads of the rollout process")
 
 
 class MultiTurnConfig(StrictModel):

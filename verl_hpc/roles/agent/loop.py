@@ -27,7 +27,7 @@ from verl_hpc.roles.agent.parsers import ToolCallParser
 from verl_hpc.roles.agent.render import ChatRenderer
 from verl_hpc.roles.agent.tool_runner import ToolOutcome, ToolRunner
 from verl_hpc.roles.allocator import generate_guarded
-from verl_hpc.roles.env.runner import EnvOutcome, EnvRunner
+from verl_hpc.roles.env.runner import EnvCalls, EnvOutcome
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ class AgentLoop:
 
     def __init__(self, engine: Any, tokenizer: Any, renderer: ChatRenderer, parser: ToolCallParser,
                  runner: ToolRunner, multi_turn: Any, eot_ids: Sequence[int], max_context: int | None = None,
-                 allocator: Any = None, envs: EnvRunner | None = None):
+                 allocator: Any = None, envs: EnvCalls | None = None):
         self.engine, self.tokenizer, self.renderer, self.parser, self.runner = \
             engine, tokenizer, renderer, parser, runner
         self.envs = envs  # an environment answers each final turn (roles/env), or None

@@ -21,7 +21,7 @@ from verl_hpc.roles.agent.parsers import get_parser
 from verl_hpc.roles.agent.render import ChatRenderer
 from verl_hpc.roles.agent.tool_runner import ToolRunner
 from verl_hpc.roles.agent.tools import load_tools
-from verl_hpc.roles.env.runner import EnvRunner
+from verl_hpc.roles.env.runner import EnvCalls, EnvRunner
 from verl_hpc.utils.fs import expand_path
 
 log = logging.getLogger(__name__)
@@ -46,7 +46,7 @@ def env_start(extra_info: str | None, index: int) -> tuple[int | None, dict[str,
     return (None if seed is None else int(seed)), (dict(kwargs) if isinstance(kwargs, dict) else {})
 
 
-def env_runner(multi_turn: Any) -> EnvRunner | None:
+def env_runner(multi_turn: Any) -> EnvCalls | None:
     """The run's environment runner, with the class or game checked by building one now."""
     env = multi_turn.environment
     if env is None:
@@ -54,6 +54,11 @@ def env_runner(multi_turn: Any) -> EnvRunner | None:
     from verl_hpc.roles.env.sources import make_environment
 
     make_environment(env.source, env.id, env.kwargs).close()  # a bad id or class: refused before any step
+    if env.num_workers > 0:
+        from verl_hpc.roles.env.workers import ProcessEnvRunner
+
+        spec = {"source": env.source, "id": env.id, "kwargs": env.kwargs, "threads": env.workers}
+        return ProcessEnvRunner(spec, env.num_workers, env.timeout_seconds)
     return EnvRunner(lambda: make_environment(env.source, env.id, env.kwargs), env.workers, env.timeout_seconds)
 
 

@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from verl_hpc.roles.env.base import EnvFailure, Environment, EnvReply
 
@@ -27,6 +27,19 @@ class EnvOutcome:
     reply: EnvReply | None
     error: str | None = None
     seconds: float = 0.0
+
+
+class EnvCalls(Protocol):
+    """What the agent loop asks of environments: threads here (`EnvRunner`), or worker processes
+    (`workers.ProcessEnvRunner`)."""
+
+    def reset_all(self, starts: list[tuple[str, int | None, dict[str, Any]]]) -> list[EnvOutcome]: ...
+
+    def submit(self, episode: str, action: str) -> cf.Future: ...
+
+    def finish(self, episode: str) -> None: ...
+
+    def close(self) -> None: ...
 
 
 def call_within(fn: Callable[[], Any], timeout: float) -> Any:
