@@ -42,10 +42,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psutil
 
 from verl_hpc.config.placement import ProcessPlan
+from verl_hpc.launch.forkserver import ForkServer, forking_wanted
 from verl_hpc.launch.log_tail import read_tail
 from verl_hpc.launch.relay import LogRelay, announce
 from verl_hpc.runtime.process.endtime import END_TIME_ENV, EXIT_AT_DEADLINE
@@ -184,7 +186,7 @@ class LaunchTimeout(WorkerFailure):
 class _Worker:
     rank: int
     group: str
-    popen: subprocess.Popen
+    popen: Any  # subprocess.Popen, or a ForkedWorker (forkserver.py) with the same poll/returncode/pid
     log_path: Path
     log_offset: int
 
@@ -215,6 +217,7 @@ class LocalLauncher:
         self.timeout_seconds, self.end_time = timeout_seconds, end_time  # end_time: unix seconds, or None
         self.relay = LogRelay() if relay else None  # progress + start-up lines on our stderr (relay.py)
         self._workers: list[_Worker] = []
+        self._forks: ForkServer | None = None
         self._received: int | None = None
         self._signal_count = 0
 
@@ -240,6 +243,9 @@ class LocalLauncher:
             try:
                 self._terminate_all()
             finally:
+                if self._forks is not None:
+                    self._forks.close()
+                    self._forks = None
                 self._restore_handlers(previous)
                 if self.relay is not None:
                     self.relay.pump(final=True)
@@ -267,6 +273,8 @@ class LocalLauncher:
         if self.end_time is not None:  # the workers stop at a step boundary before it (runtime/process/deadline.py)
             base_env[END_TIME_ENV] = f"{self.end_time:.3f}"
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        if forking_wanted({g.resources.device_type for g in self.plan.groups}, self.command, base_env):
+            self._forks = ForkServer(base_env, preexec_fn=_pdeathsig_preexec(os.getpid()))
         for rank in range(self.plan.world_size):
             if self._received is not None:
                 return  # stopped while spawning: the supervise loop shuts down what exists
@@ -288,6 +296,9 @@ class LocalLauncher:
             log_file.write(header.encode())
             log_file.flush()
             offset = log_file.tell()
+        if self._forks is not None:
+            return _Worker(rank, group.name, self._forks.spawn(env, path), path, offset)
+        with open(path, "ab") as log_file:
             popen = subprocess.Popen(self.command, env=env, stdin=subprocess.DEVNULL, stdout=log_file,
                                      stderr=subprocess.STDOUT, start_new_session=True,
                                      preexec_fn=_pdeathsig_preexec(os.getpid()))
