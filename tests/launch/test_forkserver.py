@@ -52,6 +52,19 @@ def test_a_killed_worker_reports_the_signal_and_others_go_on(server: ForkServer,
     assert quick.wait(timeout=60) == 0
 
 
+def test_a_forked_worker_computes_with_its_own_thread_count(tmp_path: Path) -> None:
+    """The server imported torch under one OMP_NUM_THREADS; each worker computes with the one it was given."""
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
+    server = ForkServer(env, module="tests.plugins.fork_child", preload=("torch",))
+    try:
+        worker = server.spawn({"OMP_NUM_THREADS": "2", "FORK_CHILD_OUT": str(tmp_path / "seen.json")},
+                              tmp_path / "rank0.out")
+        assert worker.wait(timeout=120) == 0
+    finally:
+        server.close()
+    assert json.loads((tmp_path / "seen.json").read_text())["threads"] == 2
+
+
 def test_forked_and_fresh_workers_train_the_same_numbers(tmp_path: Path, tiny_model_dir: Path) -> None:
     from verl_hpc.launch.train import train
 

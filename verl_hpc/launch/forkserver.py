@@ -60,6 +60,15 @@ def _set_pdeathsig(parent_pid: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _apply_thread_count(env: dict[str, str]) -> None:
+    """OpenMP read OMP_NUM_THREADS when the server imported torch, so a fork would keep the server's
+    count whatever the worker's environment says; set the worker's own (the launcher's cores // ranks)."""
+    threads = env.get("OMP_NUM_THREADS", "")
+    torch = sys.modules.get("torch")
+    if torch is not None and threads.isdigit() and int(threads) > 0:
+        torch.set_num_threads(int(threads))
+
+
 def _become_worker(request: dict, server_pid: int) -> None:
     """In the forked child: the worker's session, environment and log file, then its main.
 
@@ -79,6 +88,7 @@ def _become_worker(request: dict, server_pid: int) -> None:
     os.close(log)
     os.environ.clear()
     os.environ.update(request["env"])
+    _apply_thread_count(request["env"])
     import runpy
 
     sys.argv = [request["module"]]
