@@ -52,3 +52,28 @@ def run_cli(*args: str, timeout: float = 600, cwd: Path = REPO) -> subprocess.Co
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
     return subprocess.run([sys.executable, "-m", "verl_hpc", *args], cwd=cwd, env=env, text=True,
                           capture_output=True, timeout=timeout)
+
+
+def worker_processes(launcher, run_dir: Path) -> dict:  # psutil.Process -> {rank: psutil.Process}
+    """The launcher's live workers by global rank, from the pid each wrote in logs/env_<group>_rank<N>.json.
+
+    Why not their environment or command line: CPU workers are forks of one preloaded process
+    (launch/forkserver.py), so /proc shows the fork server's command and environment for them.
+    """
+    import json
+
+    import psutil
+
+    below = {p.pid: p for p in launcher.children(recursive=True)}
+    found = {}
+    for path in (run_dir / "logs").glob("env_*_rank*.json"):
+        try:
+            written = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        process = below.get(written.get("pid"))
+        if process is not None:
+            with __import__("contextlib").suppress(psutil.Error):
+                if process.status() != psutil.STATUS_ZOMBIE:
+                    found[int(written["derived"]["rank"])] = process
+    return found

@@ -12,7 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, worker_processes
 from tests.e2e.test_train_e2e import scalars, window_means
 
 pytestmark = pytest.mark.slow
@@ -52,18 +52,6 @@ def test_ppo_with_every_role_on_its_own_devices_learns(tmp_path: Path, tiny_mode
     assert {p.name for p in final.glob("__*.distcp")} >= {"__0_0.distcp", "__1_0.distcp"}  # actor's and critic's
 
 
-def _workers(launcher: psutil.Process) -> dict[int, psutil.Process]:
-    found = {}
-    for child in launcher.children(recursive=True):
-        try:
-            rank = child.environ().get("VERL_HPC_RANK")
-        except psutil.Error:
-            continue
-        if rank is not None and "verl_hpc.runtime.worker" in " ".join(child.cmdline()):
-            found[int(rank)] = child
-    return found
-
-
 def _running_split_job(run_dir: Path, model: Path, timeout_seconds: int):
     """A long split run through the CLI, returned once 3 steps are logged: (cli, workers, all processes)."""
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
@@ -81,7 +69,7 @@ def _running_split_job(run_dir: Path, model: Path, timeout_seconds: int):
         if cli.poll() is not None:
             break
         time.sleep(0.5)
-    workers = _workers(launcher)
+    workers = worker_processes(launcher, run_dir)
     if sorted(workers) != [0, 1, 2, 3]:
         for process in [*launcher.children(recursive=True), launcher]:
             process.kill()

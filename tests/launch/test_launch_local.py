@@ -28,9 +28,9 @@ from verl_hpc.launch.local import (
     LocalLauncher,
     WorkerFailure,
     describe_exit,
-    worker_env,
 )
 from verl_hpc.launch.log_tail import crash_excerpt
+from verl_hpc.launch.worker_env import worker_env
 from verl_hpc.runtime.process.endtime import EXIT_AT_DEADLINE
 
 ENV_KEYS = ("VERL_HPC_RANK", "VERL_HPC_WORLD_SIZE", "VERL_HPC_LOCAL_RANK", "VERL_HPC_GROUP",

@@ -15,7 +15,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, worker_processes
 from tests.reliability.runs import metrics, train
 
 pytestmark = pytest.mark.slow
@@ -39,12 +39,7 @@ def _start_split(run_dir: Path, model: Path) -> tuple[subprocess.Popen, dict[int
     while time.monotonic() < deadline and _newest_committed(run_dir) < 3:
         time.sleep(0.05)
     launcher = psutil.Process(cli.pid)
-    workers = {}
-    for child in launcher.children(recursive=True):
-        rank = child.environ().get("VERL_HPC_RANK")
-        if rank is not None:
-            workers[int(rank)] = child
-    return cli, workers, [launcher, *launcher.children(recursive=True)]
+    return cli, worker_processes(launcher, run_dir), [launcher, *launcher.children(recursive=True)]
 
 
 def _alive(processes: list[psutil.Process]) -> list[psutil.Process]:

@@ -136,7 +136,7 @@ def render_local(cfg: RunConfig, run_dir: Path, python: str, child: list[str] | 
     `child` is the `verl-hpc train` command of a background run; `inherited` the environment
     the launcher maps device ids through (CUDA_VISIBLE_DEVICES).
     """
-    from verl_hpc.launch.local import worker_env
+    from verl_hpc.launch.worker_env import worker_env
 
     plan = plan_for_config(cfg)
     lines = [f"# run directory: {run_dir}"]

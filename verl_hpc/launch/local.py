@@ -42,12 +42,15 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psutil
 
 from verl_hpc.config.placement import ProcessPlan
+from verl_hpc.launch.forkserver import ForkServer, forking_wanted
 from verl_hpc.launch.log_tail import read_tail
 from verl_hpc.launch.relay import LogRelay, announce
+from verl_hpc.launch.worker_env import worker_env
 from verl_hpc.runtime.process.endtime import END_TIME_ENV, EXIT_AT_DEADLINE
 from verl_hpc.runtime.process.env import free_port
 from verl_hpc.utils.logging import get_logger
@@ -100,43 +103,6 @@ def describe_exit(returncode: int | None) -> str:
         return f"killed by signal {-returncode}"
 
 
-def _visible_device(device_id: int, inherited: str | None) -> str:
-    """Map a configured device id through the launcher's own CUDA_VISIBLE_DEVICES.
-
-    Why: ids in the config mean "the Nth GPU this run may use" (as torch indices do), so
-    a launcher started with CUDA_VISIBLE_DEVICES=4,5 gives id 0 GPU 4, never GPU 0.
-    """
-    visible = [d.strip() for d in (inherited or "").split(",") if d.strip()]
-    if not visible:
-        return str(device_id)
-    if device_id >= len(visible):
-        raise ValueError(f"device id {device_id} is not among the {len(visible)} GPU(s) in "
-                         f"CUDA_VISIBLE_DEVICES={inherited}")
-    return visible[device_id]
-
-
-def worker_env(plan: ProcessPlan, rank: int, master_port: int, run_dir: Path,
-               base_env: dict[str, str]) -> dict[str, str]:
-    """The full environment of one global rank: base_env plus the launcher's variables. Unless base_env
-    sets OMP_NUM_THREADS the ranks share the cores (torchrun's rule): ranks that each take every core
-    spin against each other (5x the CPU for the same numbers, measured)."""
-    group, group_rank = plan.locate(rank)
-    env = dict(base_env)
-    env.setdefault("PYTHONUNBUFFERED", "1")  # so a crash's last log lines are really the last
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // plan.world_size)))
-    env.update({
-        "VERL_HPC_RANK": str(rank), "VERL_HPC_WORLD_SIZE": str(plan.world_size),
-        "VERL_HPC_LOCAL_RANK": str(rank), "VERL_HPC_GROUP": group.name,
-        "VERL_HPC_GROUP_RANK": str(group_rank), "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(master_port), "VERL_HPC_RUN_DIR": str(run_dir),
-    })
-    if group.resources.device_type == "cuda":  # this rank's slot(s): a tensor-parallel engine takes several
-        width = group.resources.devices_per_process
-        ids = group.resources.device_ids[group_rank * width:(group_rank + 1) * width]
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(_visible_device(i, base_env.get("CUDA_VISIBLE_DEVICES")) for i in ids)
-    return env
-
-
 class WorkerFailure(RuntimeError):
     """A worker died; the message names its group (role), rank, cause and last log lines."""
 
@@ -184,7 +150,7 @@ class LaunchTimeout(WorkerFailure):
 class _Worker:
     rank: int
     group: str
-    popen: subprocess.Popen
+    popen: Any  # subprocess.Popen, or a ForkedWorker (forkserver.py) with the same poll/returncode/pid
     log_path: Path
     log_offset: int
 
@@ -215,6 +181,7 @@ class LocalLauncher:
         self.timeout_seconds, self.end_time = timeout_seconds, end_time  # end_time: unix seconds, or None
         self.relay = LogRelay() if relay else None  # progress + start-up lines on our stderr (relay.py)
         self._workers: list[_Worker] = []
+        self._forks: ForkServer | None = None
         self._received: int | None = None
         self._signal_count = 0
 
@@ -240,6 +207,9 @@ class LocalLauncher:
             try:
                 self._terminate_all()
             finally:
+                if self._forks is not None:
+                    self._forks.close()
+                    self._forks = None
                 self._restore_handlers(previous)
                 if self.relay is not None:
                     self.relay.pump(final=True)
@@ -267,6 +237,8 @@ class LocalLauncher:
         if self.end_time is not None:  # the workers stop at a step boundary before it (runtime/process/deadline.py)
             base_env[END_TIME_ENV] = f"{self.end_time:.3f}"
         (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        if forking_wanted({g.resources.device_type for g in self.plan.groups}, self.command, base_env):
+            self._forks = ForkServer(base_env, preexec_fn=_pdeathsig_preexec(os.getpid()))
         for rank in range(self.plan.world_size):
             if self._received is not None:
                 return  # stopped while spawning: the supervise loop shuts down what exists
@@ -288,6 +260,9 @@ class LocalLauncher:
             log_file.write(header.encode())
             log_file.flush()
             offset = log_file.tell()
+        if self._forks is not None:
+            return _Worker(rank, group.name, self._forks.spawn(env, path), path, offset)
+        with open(path, "ab") as log_file:
             popen = subprocess.Popen(self.command, env=env, stdin=subprocess.DEVNULL, stdout=log_file,
                                      stderr=subprocess.STDOUT, start_new_session=True,
                                      preexec_fn=_pdeathsig_preexec(os.getpid()))
