@@ -132,14 +132,12 @@ def learning_config(model_dir: Path, steps: int) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.skip(reason="flaky in the full suite, issue 34 open: alone it passes (late call rate ~0.9), but in "
-                  "the full suite the same 40 steps rose to 0.73 and fell back (last five 0.48); CI's run gave "
-                  "0.86; the task's learning needs rework before this can be a gate")
 def test_the_hidden_digit_task_learns_to_open_the_box(tmp_path) -> None:
-    """Measured: a random policy opens the box in ~1 of 8 episodes; after 40 steps the greedy policy
-    always does. The sampled episodes stay below that: the entropy bonus keeps some exploring (in CI
-    the last five steps called in 0.75-0.91 of them, 0.86 on average), so they must more than
-    double their share, and the greedy policy must look."""
+    """Measured: a random policy opens the box in ~1 of 8 episodes (0.125 here); soon the sampled
+    episodes all do (step 21), and the greedy policy always does. Each round waits for every reply
+    (`deterministic_rounds`), so the run is the same however loaded the machine is: two runs beside
+    the whole suite gave the same numbers bit for bit, where timing-dependent rounds had made one
+    run in the suite fall back to 0.48 while it passed alone."""
     from transformers import AutoModelForCausalLM
 
     from verl_hpc.models.tiny import init_model
@@ -149,18 +147,17 @@ def test_the_hidden_digit_task_learns_to_open_the_box(tmp_path) -> None:
     train(load_config(data=learning_config(model_dir, LOOK_STEPS)), tmp_path / "run", actor_model=model)
     rows = read_metrics(tmp_path / "run")
     calls = [r["agent/tool_calls/mean"] for r in rows]
-    assert calls[0] < 0.5 and sum(calls[-5:]) / 5 > max(0.75, 2 * calls[0]), calls
+    assert calls[0] < 0.5 and sum(calls[-5:]) / 5 > 0.8, calls  # measured: 1.0 from step 21 on
     assert sum(r["critic/score/mean"] for r in rows[-5:]) / 5 > 3 * rows[0]["critic/score/mean"]
     _, looked = greedy_accuracy(model, model_dir)
     assert looked > 0.9  # the greedy policy looks, and then answers
 
 
-@pytest.mark.skip(reason="measured not to learn the copy: with hidden digits 0-3, 150-200 steps at lr 2e-3/3e-3, "
-                  "model-token budgets 3/4/6/8 and entropy_coef 0/0.01, every run opened the box in every "
-                  "episode by step ~25 but its answer turn never learned to end (agent/truncated_ratio ~1.0): "
-                  "the score plateaued at 0.25-0.35 (a look plus a run-on answer) and the greedy policy's "
-                  "answers were right 0 times in 100 against 0.30 for the best constant; the task's reward "
-                  "needs rework before this can pass")
+@pytest.mark.skip(reason="measured not to learn the copy: before FORM_CREDIT (hidden digits 0-3, 150-200 steps, lr "
+                  "2e-3/3e-3, budgets 3-8 tokens, entropy_coef 0/0.01) the answer turn never learned to end; with it "
+                  "(digits 0-4, lr 1e-3 and 3e-3) answers became one digit and ended by step ~50, but the digit stayed "
+                  "at chance (score 0.4-0.48, accuracy ~0.1-0.2) and one run collapsed at step 144; the copy needs "
+                  "more work before this can pass")
 def test_the_trained_policy_beats_every_policy_that_ignores_the_reply(tmp_path) -> None:
     """The trained policy beats every policy that ignores the tool's reply (at most the commonest digit)."""
     from transformers import AutoModelForCausalLM

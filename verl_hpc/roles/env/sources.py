@@ -5,6 +5,9 @@
 - `python`: a class by `module:Class` or `file.py:Class`, constructed with `kwargs`: any class
   with `reset(seed=...)` and `step(action)` — OpenEnv `Environment` subclasses included, whose
   pydantic actions are built from the turn's text and whose observations' `done`/`reward` are read.
+- `openenv_server`: an OpenEnv server (`create_app`, local or remote) by its URL: one WebSocket
+  session per episode (OpenEnv's HTTP `/step` is stateless, so multi-turn episodes need it); the
+  turn's text is sent as the action's `action_field` (`message` unless `kwargs` says otherwise).
 """
 
 from __future__ import annotations
@@ -60,6 +63,12 @@ def observation_text(observation: Any) -> str:
     """An OpenEnv-style observation as text: itself if text, its text-like field, else its fields as JSON."""
     if isinstance(observation, str):
         return observation
+    if isinstance(observation, dict):  # an observation as a server sends it
+        found = [observation[n] for n in TEXT_FIELDS if isinstance(observation.get(n), str)]
+        if found:
+            return found[0]
+        return json.dumps({k: v for k, v in observation.items() if k not in ("done", "reward", "metadata")},
+                          default=str)
     for name in TEXT_FIELDS:
         value = getattr(observation, name, None)
         if isinstance(value, str):
@@ -112,6 +121,30 @@ class ClassEnvironment:
             closer()
 
 
+class OpenEnvServerEnvironment:
+    """One episode's WebSocket session with an OpenEnv server (openenv's own client)."""
+
+    def __init__(self, url: str, action_field: str = "message"):
+        from openenv.core.generic_client import GenericEnvClient
+
+        self.client = GenericEnvClient(base_url=url).sync()
+        self.client.connect()
+        self.action_field = action_field
+
+    @staticmethod
+    def reply(result: Any) -> EnvReply:
+        return EnvReply.checked(observation_text(result.observation), result.reward, result.done)
+
+    def reset(self, seed: int | None = None, **kwargs: Any) -> EnvReply:
+        return self.reply(self.client.reset(seed=seed, **kwargs))
+
+    def step(self, action: str) -> EnvReply:
+        return self.reply(self.client.step({self.action_field: action}))
+
+    def close(self) -> None:
+        self.client.close()
+
+
 ENV_FIELD = "rollout.multi_turn.environment"
 
 
@@ -124,4 +157,6 @@ def make_environment(source: str, ref: str, kwargs: dict[str, Any] | None = None
         from verl_hpc.config.user_code import import_callable
 
         return ClassEnvironment(import_callable(ref, f"{ENV_FIELD}.id"), **kwargs)
-    raise ValueError(f"unknown environment source {source!r}: textarena or python")
+    if source == "openenv_server":
+        return OpenEnvServerEnvironment(ref, **kwargs)
+    raise ValueError(f"unknown environment source {source!r}: textarena, python or openenv_server")
