@@ -90,7 +90,11 @@ def _rows(agent, rows: int, modes: list[str] | None = None):
 
 
 def test_environment_turns_are_inserted_user_turns_and_rewards_add_up(agent_dir: Path) -> None:
-    agent, tok = _agent(agent_dir, EnvironmentConfig(source="python", id=PLUGIN, kwargs={"turns": 3}))
+    import torch
+
+    agent, tok = _agent(agent_dir, EnvironmentConfig(source="python", id=PLUGIN, kwargs={"turns": 3}),
+                        deterministic=True)
+    torch.manual_seed(0)  # seeded: the same episodes every time, some of which end turns and step
     batch, records = _rows(agent, 6)
     for row, record in enumerate(records):
         users = [m["content"] for m in record["messages"] if m["role"] == "user"]
@@ -110,8 +114,12 @@ def test_environment_turns_are_inserted_user_turns_and_rewards_add_up(agent_dir:
 
 
 def test_a_failing_environment_costs_its_episode_and_is_counted(agent_dir: Path) -> None:
-    agent, _ = _agent(agent_dir, EnvironmentConfig(source="python", id=PLUGIN, kwargs={"mode": "raise"}))
-    _, records = _rows(agent, 4)
+    import torch
+
+    agent, _ = _agent(agent_dir, EnvironmentConfig(source="python", id=PLUGIN, kwargs={"mode": "raise"}),
+                      deterministic=True)
+    torch.manual_seed(0)  # a turn reaches the environment only when the model ends it: seeded, some do
+    _, records = _rows(agent, 8)
     assert all(r["env_failed"] and r["env_reward"] == 0.0 for r in records if r["finished"])
     assert agent.metrics()["env/failures"] == sum(r["env_failed"] for r in records) > 0
     agent.close()

@@ -32,6 +32,7 @@ def episode_counts(records: list[dict[str, Any]]) -> tuple[dict[str, float], dic
             "tool_seconds": float(sum(c.get("seconds", 0.0) for c in calls)),
             "truncated": float(sum(bool(r.get("truncated")) for r in records)),
             "mismatch": float(sum(bool(r.get("template_mismatch")) for r in records)),
+            "env_episodes": float(sum(bool(r.get("has_env")) for r in records)),
             "env_steps": float(sum(r.get("env_steps", 0) for r in records)),
             "env_seconds": float(sum(r.get("env_seconds", 0.0) for r in records)),
             "env_failures": float(sum(bool(r.get("env_failed")) for r in records)),
@@ -49,8 +50,8 @@ def episode_metrics(sums: dict[str, float], maxes: dict[str, float]) -> dict[str
 
 
 def _env_metrics(sums: dict[str, float], episodes: float) -> dict[str, float]:
-    """`env/*` when the episodes had an environment (it stepped, or failed)."""
-    if not sums.get("env_steps") and not sums.get("env_failures"):
+    """`env/*` when the episodes had an environment."""
+    if not sums.get("env_episodes"):
         return {}
     return {"env/failures": sums["env_failures"], "env/steps/mean": sums["env_steps"] / episodes,
             "env/done_ratio": sums["env_done"] / episodes, "env/time_s": sums["env_seconds"]}

@@ -35,7 +35,8 @@ class Episode:
     assistant_turns: int = 0
     tool_turns: int = 0
     tool_rewards: float = 0.0
-    env_reward: float = 0.0    # the environment's rewards so far (roles/env)
+    has_env: bool = False      # an environment answers this episode's turns (roles/env)
+    env_reward: float = 0.0    # the environment's rewards so far
     env_steps: int = 0
     env_seconds: float = 0.0
     env_done: bool = False     # the environment said the episode is over
@@ -79,7 +80,8 @@ class Episode:
         return {"messages": self.messages, "tool_calls": self.tool_log, "final_answer": self.final_answer,
                 "finished": self.finished, "truncated": self.truncated, "num_turns": self.assistant_turns,
                 "tool_rewards": self.tool_rewards, "template_mismatch": self.template_mismatch,
-                "env_reward": self.env_reward, "env_steps": self.env_steps, "env_seconds": self.env_seconds,
+                "has_env": self.has_env, "env_reward": self.env_reward, "env_steps": self.env_steps,
+                "env_seconds": self.env_seconds,
                 "env_done": self.env_done, "env_failed": self.env_failed}
 
     def record_json(self) -> str:

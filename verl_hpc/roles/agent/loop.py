@@ -73,6 +73,7 @@ class AgentLoop:
             messages.append({"role": "user", "content": first.reply.text})
         episode = Episode(key, self.renderer.prompt_ids(messages), messages, dict(tools_kwargs or {}))
         if first is not None:
+            episode.has_env = True
             episode.env_seconds += first.seconds
             if first.reply is None:  # its reset failed: one turn on the row's own prompt, then it ends
                 episode.env_failed = True

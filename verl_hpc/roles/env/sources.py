@@ -63,12 +63,6 @@ def observation_text(observation: Any) -> str:
     """An OpenEnv-style observation as text: itself if text, its text-like field, else its fields as JSON."""
     if isinstance(observation, str):
         return observation
-    if isinstance(observation, dict):  # an observation as a server sends it
-        found = [observation[n] for n in TEXT_FIELDS if isinstance(observation.get(n), str)]
-        if found:
-            return found[0]
-        return json.dumps({k: v for k, v in observation.items() if k not in ("done", "reward", "metadata")},
-                          default=str)
     for name in TEXT_FIELDS:
         value = getattr(observation, name, None)
         if isinstance(value, str):
@@ -133,7 +127,14 @@ class OpenEnvServerEnvironment:
 
     @staticmethod
     def reply(result: Any) -> EnvReply:
-        return EnvReply.checked(observation_text(result.observation), result.reward, result.done)
+        """A server's step result: its observation arrives as the fields' dict."""
+        fields = result.observation
+        if not isinstance(fields, dict):
+            raise EnvFailure(f"the server sent {type(fields).__name__}, not an observation's fields")
+        found = [fields[n] for n in TEXT_FIELDS if isinstance(fields.get(n), str)]
+        text = found[0] if found else json.dumps(
+            {k: v for k, v in fields.items() if k not in ("done", "reward", "metadata")}, default=str)
+        return EnvReply.checked(text, result.reward, result.done)
 
     def reset(self, seed: int | None = None, **kwargs: Any) -> EnvReply:
         return self.reply(self.client.reset(seed=seed, **kwargs))

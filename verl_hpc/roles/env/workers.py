@@ -79,7 +79,10 @@ class EnvWorker:
                 future.set_result((status, payload))
 
     def _fail_all(self) -> None:
-        code = self.process.poll()
+        try:  # its socket closed: the process is exiting, so wait a moment for the code that says how
+            code = self.process.wait(timeout=2.0)
+        except subprocess.TimeoutExpired:
+            code = None
         why = f"environment worker {self.index} (pid {self.process.pid}) " + \
             ("is gone" if code is None else f"died (exit code {code})")
         for request_id in list(self.pending):
