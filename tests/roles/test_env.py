@@ -199,3 +199,16 @@ def test_episodes_run_the_same_with_environments_in_worker_processes(agent_dir: 
     assert any(r["env_steps"] > 0 for r in in_threads)
     assert [r["messages"] for r in in_processes] == [r["messages"] for r in in_threads]
     assert [r["env_reward"] for r in in_processes] == [r["env_reward"] for r in in_threads]
+
+
+def test_the_example_config_trains_with_its_environment(tmp_path: Path) -> None:
+    """configs/env_box.yaml through the CLI, three steps: every episode has its environment, none fails."""
+    from tests.conftest import run_cli
+
+    run_dir = tmp_path / "run"
+    proc = run_cli("train", "configs/env_box.yaml", "--run-dir", str(run_dir), f"model.path={tmp_path / 'model'}",
+                   "trainer.total_steps=3", "trainer.batch_size=16", "trainer.save_hf_model=false")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "tensorboard" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 3 and all(r["env/failures"] == 0 for r in rows)
+    assert sum(r["env/steps/mean"] for r in rows) > 0

@@ -79,12 +79,13 @@ def _load_file_module(file_name: str, field: str):  # -> ModuleType
         return sys.modules[name]
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    sys.modules[name] = module  # before it runs, as `import` does: dataclasses and pickling look it up there
     try:
         spec.loader.exec_module(module)  # type: ignore[union-attr]
     except Exception as err:  # noqa: BLE001
+        sys.modules.pop(name, None)
         raise FieldError(field, f"loading {path} failed: {type(err).__name__}: {err}",
                          "fix the file so it imports") from None
-    sys.modules[name] = module
     return module
 
 
