@@ -32,3 +32,15 @@ def test_a_file_that_fails_names_the_field_and_leaves_no_half_module(tmp_path: P
 def test_a_missing_name_lists_what_is_there() -> None:
     with pytest.raises(FieldError, match="has no function 'nope'.*functions there: .*score"):
         import_callable("verl_hpc.data.tasks.arithmetic:nope", "reward.function")
+
+
+def test_threads_loading_one_file_at_once_all_get_the_whole_module(tmp_path: Path) -> None:
+    """Environments reset in parallel threads load their class's file at the same moment."""
+    import concurrent.futures as cf
+
+    path = tmp_path / "slow_env.py"
+    path.write_text("import time\ntime.sleep(0.2)\n\nclass Env:\n    pass\n")
+    with cf.ThreadPoolExecutor(8) as pool:
+        loaded = list(pool.map(lambda _: import_callable(f"{path}:Env", "rollout.multi_turn.environment.id"),
+                               range(8)))
+    assert len({id(cls) for cls in loaded}) == 1

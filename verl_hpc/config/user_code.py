@@ -12,10 +12,13 @@ import importlib.util
 import inspect
 import os
 import sys
+import threading
 from pathlib import Path
 
 from verl_hpc.config.errors import FieldError
 from verl_hpc.utils.fs import expand_path
+
+_FILE_LOCK = threading.RLock()  # one user file loads at a time (see _load_file_module)
 
 
 def import_plugins(specs: list[str]) -> None:
@@ -69,6 +72,13 @@ def _import_module(module_name: str, field: str):  # -> ModuleType
 
 
 def _load_file_module(file_name: str, field: str):  # -> ModuleType
+    """A user's file as a module, once per process. Under a lock: the module is in sys.modules while
+    it runs, and another thread (environments reset in parallel) must not take it half-loaded."""
+    with _FILE_LOCK:
+        return _load_file_module_locked(file_name, field)
+
+
+def _load_file_module_locked(file_name: str, field: str):  # -> ModuleType
     path = expand_path(file_name).resolve()
     if not path.is_file():
         what = "reward file" if field.startswith("reward") else "file"
