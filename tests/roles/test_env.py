@@ -129,7 +129,7 @@ def _process_runner(mode: str = "ok", workers: int = 2, timeout: float = 20.0):
     from verl_hpc.roles.env.workers import ProcessEnvRunner
 
     spec = {"source": "python", "id": PLUGIN.replace(":CountdownEnv", ":PidEnv"), "kwargs": {"mode": mode}}
-    return ProcessEnvRunner(spec, workers, timeout)
+    return ProcessEnvRunner.local(spec, workers, timeout)
 
 
 def test_worker_processes_hold_episodes_and_answer_in_parallel() -> None:

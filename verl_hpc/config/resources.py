@@ -92,6 +92,36 @@ class RoleResources(StrictModel):
         return 1
 
 
+class EnvResources(StrictModel):
+    """Environment worker processes (`rollout.multi_turn.environment`) as a role of their own.
+
+    Locally the rollout starts `num_workers` processes beside itself; under Slurm they are a
+    hetjob component on CPU nodes (no GPUs requested), one task per worker, started with the job
+    and requeued with it (verl_hpc/roles/env/remote.py)."""
+
+    num_workers: int = Field(1, ge=1, description="environment worker processes (tasks under Slurm); each "
+                             "holds many episodes at once")
+    cpus_per_worker: int = Field(1, ge=1, description="CPUs of each worker (Slurm --cpus-per-task)")
+    nodes: int = Field(1, ge=1, description="nodes of the env component under Slurm; num_workers must be a "
+                       "multiple of it")
+    mem: str | None = None
+    partition: str | None = None
+    account: str | None = None
+    qos: str | None = None
+    constraint: str | None = None
+
+    @model_validator(mode="after")
+    def _spread(self) -> EnvResources:
+        if self.num_workers % self.nodes:
+            raise FieldError("num_workers", f"{self.num_workers} workers cannot be spread evenly over "
+                             f"{self.nodes} nodes", f"use a multiple of {self.nodes}, or change resources.env.nodes")
+        return self
+
+    @property
+    def workers_per_node(self) -> int:
+        return self.num_workers // self.nodes
+
+
 def _on_device(role: RoleResources | dict[str, Any] | None, kind: str) -> RoleResources | dict[str, Any]:
     """One role's (raw or validated) resources moved to `kind`; on CPU without sleep mode."""
     if isinstance(role, RoleResources):  # validate_assignment passes the validated fields
@@ -120,6 +150,8 @@ class ResourceConfig(StrictModel):
     ref: RoleResources | None = None
     reward: RoleResources | None = None
     rollout: RoleResources = Field(default_factory=lambda: RoleResources(strategy="hf"))
+    env: EnvResources | None = Field(None, description="environment workers as a role of their own: processes "
+                                     "beside the rollout locally, a CPU-only hetjob component under Slurm")
     placement: Literal["colocated", "split"] = "colocated"
     comm_backend: Literal["auto", "nccl", "gloo"] = "auto"
     timeout_seconds: float = Field(180.0, gt=0.0)

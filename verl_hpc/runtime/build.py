@@ -256,6 +256,20 @@ def load_causal_lm(path: str, dtype: torch.dtype) -> torch.nn.Module:
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
 
 
+def env_home(cfg: RunConfig, run_dir: Path) -> Any:  # -> EnvHome | None
+    """Where the env component's workers are (under Slurm with `resources.env`), else None: the
+    rollout starts its environment workers itself."""
+    from verl_hpc.runtime.process.env import JobEnvironment
+
+    if cfg.resources.env is None or JobEnvironment.from_env().scheduler != "slurm":
+        return None
+    from verl_hpc.roles.env.remote import EnvHome
+    from verl_hpc.transport.secret import read_run_secret
+
+    return EnvHome.of_attempt(run_dir, cfg.resources.env.num_workers, read_run_secret(run_dir),
+                              cfg.resources.timeout_seconds)
+
+
 def build_roles(cfg: RunConfig, run_dir: Path, spec: BuildSpec, actor_model: Any = None,
                 reward_model: Any = None) -> Roles:
     """Every role `spec.hosted` names, on `spec.device`, sharded over `spec.fsdp_group` if set."""
@@ -299,7 +313,8 @@ def build_roles(cfg: RunConfig, run_dir: Path, spec: BuildSpec, actor_model: Any
         if cfg.rollout.multi_turn.enable:
             from verl_hpc.roles.agent.build import build_agent
 
-            roles.agent = build_agent(cfg, roles.engine, tokenizer, model_dir, str(run_dir), roles.allocator)
+            roles.agent = build_agent(cfg, roles.engine, tokenizer, model_dir, str(run_dir), roles.allocator,
+                                      env_home(cfg, run_dir))
     if "reward" in spec.hosted and roles.reward is None:
         roles.reward = build_reward(cfg, tokenizer, spec.device, reward_model)
     if cfg.data.val_files and ("actor" in spec.hosted or "rollout" in spec.hosted):  # generating, or counting rows

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from verl_hpc.roles.agent.rollout import AgentRollout, ToolRewardAdded, checked_renderer
+from verl_hpc.roles.agent.rollout import AgentRollout, ToolRewardAdded, checked_renderer, env_runner
 from verl_hpc.roles.rollout.base import stop_token_ids
 
 
@@ -16,8 +16,9 @@ def max_context(model_dir: str) -> int | None:
 
 
 def build_agent(cfg: Any, engine: Any, tokenizer: Any, model_dir: str, run_dir: str | None = None,
-                allocator: Any = None) -> AgentRollout:
-    """The AgentRollout over `engine` (`allocator`: generation's OOM retries, as for single turns).
+                allocator: Any = None, env_home: Any = None) -> AgentRollout:
+    """The AgentRollout over `engine` (`allocator`: generation's OOM retries, as for single turns;
+    `env_home`: where the Slurm env component's workers are, else None).
 
     The code sandbox takes `rollout.multi_turn.sandbox`'s limits and must never see `run_dir`.
     """
@@ -26,8 +27,9 @@ def build_agent(cfg: Any, engine: Any, tokenizer: Any, model_dir: str, run_dir: 
         from verl_hpc.roles.agent.sandbox import SandboxLimits, configure
 
         configure(SandboxLimits.of(multi_turn.sandbox), [str(run_dir)] if run_dir else [])
+    workers = cfg.resources.env.num_workers if cfg.resources.env is not None else None
     return AgentRollout(multi_turn, engine, tokenizer, stop_token_ids(tokenizer, model_dir), max_context(model_dir),
-                        allocator)
+                        allocator, env_runner(multi_turn, workers, env_home))
 
 
 def check_agent(cfg: Any) -> None:

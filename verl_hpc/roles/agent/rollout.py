@@ -25,6 +25,7 @@ from verl_hpc.roles.env.runner import EnvCalls, EnvRunner
 from verl_hpc.utils.fs import expand_path
 
 log = logging.getLogger(__name__)
+RECONNECT_S = 10.0  # how long a new episode waits for a remote environment worker its node is restarting
 
 
 def tools_kwargs_of(extra_info: str | None) -> dict[str, Any]:
@@ -46,19 +47,27 @@ def env_start(extra_info: str | None, index: int) -> tuple[int | None, dict[str,
     return (None if seed is None else int(seed)), (dict(kwargs) if isinstance(kwargs, dict) else {})
 
 
-def env_runner(multi_turn: Any) -> EnvCalls | None:
-    """The run's environment runner, with the class or game checked by building one now."""
+def env_runner(multi_turn: Any, num_workers: int | None = None, home: Any = None) -> EnvCalls | None:
+    """The run's environment runner, with the class or game checked by building one now: threads of
+    this process, `num_workers` worker processes it starts (default: the environment's own count),
+    or the workers of the Slurm env component at `home` (a `remote.EnvHome`)."""
     env = multi_turn.environment
     if env is None:
         return None
     from verl_hpc.roles.env.sources import make_environment
 
     make_environment(env.source, env.id, env.kwargs).close()  # a bad id or class: refused before any step
-    if env.num_workers > 0:
+    count = env.num_workers if num_workers is None else num_workers
+    if home is not None or count > 0:
         from verl_hpc.roles.env.workers import ProcessEnvRunner
 
+        if home is not None:
+            from verl_hpc.roles.env.remote import remote_starter
+
+            log.info("environment workers: %d of the env component (%s)", home.num_workers, home.directory)
+            return ProcessEnvRunner(remote_starter(home, RECONNECT_S), home.num_workers, env.timeout_seconds)
         spec = {"source": env.source, "id": env.id, "kwargs": env.kwargs, "threads": env.workers}
-        return ProcessEnvRunner(spec, env.num_workers, env.timeout_seconds)
+        return ProcessEnvRunner.local(spec, count, env.timeout_seconds)
     return EnvRunner(lambda: make_environment(env.source, env.id, env.kwargs), env.workers, env.timeout_seconds)
 
 
@@ -80,7 +89,7 @@ class AgentRollout:
     """Tools, template, parser and loop of a run; `rows(...)` samples a step's rows as episodes."""
 
     def __init__(self, multi_turn: Any, engine: Any, tokenizer: Any, eot_ids: list[int],
-                 max_context: int | None = None, allocator: Any = None):
+                 max_context: int | None = None, allocator: Any = None, envs: EnvCalls | None = None):
         self.cfg = multi_turn
         self.tools = load_tools(multi_turn)
         self.renderer = checked_renderer(multi_turn, tokenizer, self.tools.schemas)
@@ -88,7 +97,7 @@ class AgentRollout:
         self.runner = ToolRunner(self.tools, multi_turn.tool_workers, multi_turn.tool_timeout_seconds,
                                  multi_turn.max_tool_response_length, multi_turn.tool_response_truncate_side,
                                  multi_turn.max_parallel_calls)
-        self.envs = env_runner(multi_turn)
+        self.envs = envs if envs is not None else env_runner(multi_turn)
         self.loop = AgentLoop(engine, tokenizer, self.renderer, self.parser, self.runner, multi_turn, eot_ids,
                               max_context, allocator, self.envs)
         self.last_episodes: list[Episode] = []

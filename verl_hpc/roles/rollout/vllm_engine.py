@@ -22,10 +22,9 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterable, Sequence
-from multiprocessing.connection import Connection, Listener
+from multiprocessing.connection import Listener
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +33,7 @@ import torch
 from verl_hpc.config import SamplingConfig
 from verl_hpc.config.resources import VllmArgs
 from verl_hpc.roles.rollout.base import Generation
+from verl_hpc.utils.child import accept_child
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +129,7 @@ class VLLMRolloutEngine:
                                         start_new_session=True)
         try:
             start_timeout = max(self.timeout, ENGINE_START_ALLOWANCE_S)
-            self.conn = self._accept(listener, start_timeout)
+            self.conn = accept_child(listener, self.process, start_timeout, "vllm engine", EngineError)
             info = self._reply("start", start_timeout)
         except BaseException:
             listener.close()
@@ -142,20 +142,6 @@ class VLLMRolloutEngine:
         VLLMRolloutEngine.starts += 1
         log.info("vllm engine started: pid %d, %.1fs (%s)", info["pid"], time.monotonic() - started,
                  ", ".join(f"{k}={v}" for k, v in self.options.items() if k != "model"))
-
-    def _accept(self, listener: Listener, timeout: float) -> Connection:
-        """Wait for the child to connect, failing fast if it dies first."""
-        accepted: list[Connection] = []
-        waiter = threading.Thread(target=lambda: accepted.append(listener.accept()), daemon=True)
-        waiter.start()
-        deadline = time.monotonic() + timeout
-        while not accepted:
-            if self.process.poll() is not None:
-                raise EngineError(f"vllm engine exited with code {self.process.returncode} before connecting")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"vllm engine did not connect within {timeout:.0f}s")
-            waiter.join(0.05)
-        return accepted[0]
 
     def _reply(self, what: str, timeout: float) -> Any:
         deadline = time.monotonic() + timeout

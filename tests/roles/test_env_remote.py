@@ -1,0 +1,105 @@
+"""The env component's workers (verl_hpc/roles/env/remote.py) without Slurm: each task's supervisor is
+started here as Slurm would start it (SLURM_PROCID, SLURM_JOB_ID, SLURM_RESTART_COUNT set), and the
+rollout's runner reaches the workers by the run directory, over TCP, with the run's token."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import REPO
+from verl_hpc.roles.env import EnvFailure, EnvReply
+from verl_hpc.roles.env.remote import EnvHome, RemoteWorker, attempt_dir, remote_starter
+from verl_hpc.roles.env.workers import ProcessEnvRunner
+from verl_hpc.transport.secret import create_run_secret
+
+PID_ENV = f"{REPO / 'tests' / 'plugins' / 'agent_envs.py'}:PidEnv"
+
+
+def _run_dir(tmp_path: Path) -> Path:
+    config = yaml.safe_load((REPO / "configs" / "env_box.yaml").read_text())
+    config["rollout"]["multi_turn"]["environment"].update(id=PID_ENV, kwargs={})
+    config["resources"]["env"] = {"num_workers": 2}
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(config))
+    create_run_secret(run_dir)
+    return run_dir
+
+
+@pytest.fixture
+def component(tmp_path: Path) -> Iterator[tuple[Path, list[subprocess.Popen]]]:
+    """Two env tasks of job 77's first attempt, as `srun --het-group=N` starts them."""
+    run_dir = _run_dir(tmp_path)
+    tasks = []
+    for index in range(2):
+        env = {**os.environ, "SLURM_PROCID": str(index), "SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "0",
+               "PYTHONPATH": str(REPO)}
+        tasks.append(subprocess.Popen([sys.executable, "-m", "verl_hpc.roles.env.remote", str(run_dir)], env=env))
+    yield run_dir, tasks
+    for task in tasks:
+        task.send_signal(signal.SIGTERM)
+    for task in tasks:
+        assert task.wait(timeout=30) == 0  # a stopped supervisor stops its worker and leaves cleanly
+
+
+def _home(run_dir: Path, restart: int = 0, wait_s: float = 60.0) -> EnvHome:
+    token = (run_dir / "secrets" / "flight_token").read_text()
+    return EnvHome(attempt_dir(run_dir, "77", restart), 2, token, wait_s)
+
+
+def test_episodes_reach_the_component_by_the_run_directory_and_survive_a_killed_worker(component) -> None:
+    run_dir, _ = component
+    runner = ProcessEnvRunner(remote_starter(_home(run_dir), reconnect_s=30.0), 2, timeout=30.0)
+    try:
+        firsts = runner.reset_all([(f"e{i}", i, {}) for i in range(4)])
+        pids = {int(f.reply.text) for f in firsts}
+        assert len(pids) == 2 and os.getpid() not in pids  # both workers, episodes spread over them
+        assert all(runner.submit(f"e{i}", "7").result(timeout=30).reply == EnvReply("answer 2", 1.0, False)
+                   for i in range(4))
+        victim = int(firsts[0].reply.text)
+        os.kill(victim, signal.SIGKILL)  # kill -9 of a worker mid-episode
+        steps = [runner.submit(f"e{i}", "7").result(timeout=30) for i in range(4)]
+        lost = [i for i in range(4) if int(firsts[i].reply.text) == victim]
+        assert all(steps[i].reply is None and "closed its connection" in steps[i].error for i in lost)
+        assert all(steps[i].reply is not None for i in range(4) if i not in lost)
+        for i in range(4):
+            runner.finish(f"e{i}")
+        again = runner.reset_all([(f"f{i}", i, {}) for i in range(4)])  # its supervisor started it again
+        assert all(a.reply is not None for a in again) and runner.restarts == 1
+        assert victim not in {int(a.reply.text) for a in again} and len({a.reply.text for a in again}) == 2
+    finally:
+        runner.close()
+
+
+def test_a_wrong_token_or_another_attempt_reaches_no_worker(component) -> None:
+    run_dir, _ = component
+    RemoteWorker(0, _home(run_dir)).stop()  # the component is up
+    wrong = EnvHome(attempt_dir(run_dir, "77", 0), 2, "00" * 32, 5.0)
+    with pytest.raises(EnvFailure, match="refused the run's token"):
+        RemoteWorker(0, wrong)
+    with pytest.raises(EnvFailure, match="unreachable within 1 s"):  # a requeued job never reaches these
+        RemoteWorker(0, _home(run_dir, restart=1, wait_s=1.0))
+
+
+def test_the_attempt_is_the_tasks_slurm_job_and_restart() -> None:
+    env = {"SLURM_JOB_ID": "12", "SLURM_HET_JOB_ID": "10", "SLURM_RESTART_COUNT": "3"}
+    home = EnvHome.of_attempt("/r", 4, "ab", 9.0, env)
+    assert home.directory == Path("/r/env_workers/10.3") and home.num_workers == 4  # one id over all components
+    assert EnvHome.of_attempt("/r", 1, "ab", 9.0, {}).directory == Path("/r/env_workers/0.0")
+
+
+def test_a_worker_that_keeps_dying_is_given_up(tmp_path: Path) -> None:
+    from verl_hpc.roles.env import remote
+
+    started = time.monotonic()
+    code = remote.supervise(tmp_path, 0, [sys.executable, "-c", "raise SystemExit(5)"], dict(os.environ))
+    assert code == 1 and time.monotonic() - started < 30
