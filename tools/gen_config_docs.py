@@ -164,6 +164,11 @@ DESCRIPTIONS: dict[str, str] = {
     "resources.<role>.account": "Slurm `--account` for the {role}; null = your default account",
     "resources.<role>.qos": "Slurm `--qos` for the {role}; null = the default QOS",
     "resources.<role>.constraint": "Slurm `--constraint` (node features) for the {role}; null = none",
+    "resources.env.mem": "Slurm `--mem` per node of the env component; null = the partition default",
+    "resources.env.partition": "Slurm `--partition` of the env component (CPU nodes); null = the cluster default",
+    "resources.env.account": "Slurm `--account` of the env component; null = your default account",
+    "resources.env.qos": "Slurm `--qos` of the env component; null = the default QOS",
+    "resources.env.constraint": "Slurm `--constraint` of the env component; null = none",
     # checkpoint
     "checkpoint.interval_steps": "save every N steps; null = no step-based saves",
     "checkpoint.interval_minutes": "save once this many minutes passed since the last save; null = off",

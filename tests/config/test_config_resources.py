@@ -97,3 +97,20 @@ def test_comm_env_accepts_only_communication_variables() -> None:
     assert ok.comm_env["NCCL_SOCKET_IFNAME"] == "ib0"
     with pytest.raises(ConfigError, match="comm_env"):
         validate_section(ResourceConfig, {"comm_env": {"LD_PRELOAD": "/tmp/evil.so"}})
+
+
+@pytest.mark.parametrize(("overrides", "field", "hint"), [
+    (["resources.env.num_workers=3", "resources.env.nodes=2"], "resources.env.num_workers", "multiple of 2"),
+    (["rollout.multi_turn.environment=null", "rollout.multi_turn.tools=[verl_hpc.data.tasks.hidden_digit:peek]"],
+     "resources.env", "rollout.multi_turn.environment"),
+    (["rollout.multi_turn.environment.num_workers=3"], "rollout.multi_turn.environment.num_workers",
+     "resources.env.num_workers")])
+def test_environment_workers_are_checked_naming_the_field(overrides: list[str], field: str, hint: str) -> None:
+    from verl_hpc.config import load_config
+
+    with pytest.raises(ConfigError) as err:
+        load_config(Path(__file__).resolve().parents[2] / "configs" / "slurm_env_box.yaml", overrides)
+    message = str(err.value)
+    assert f"{field}:" in message and hint in message, message
+    cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "slurm_env_box.yaml", ["rollout.multi_turn.environment.num_workers=2"])
+    assert cfg.resources.env.workers_per_node == 2

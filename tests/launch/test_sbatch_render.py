@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[2]
 GOLDEN = REPO / "tests" / "golden"
 UPDATE = os.environ.get("VERL_HPC_UPDATE_GOLDEN") == "1"
 GOLDEN_PYTHON = "/opt/verl-hpc/.venv/bin/python"
-GOLDEN_CONFIGS = ("slurm_local", "slurm_ppo_split", "slurm_multinode")
+GOLDEN_CONFIGS = ("slurm_local", "slurm_ppo_split", "slurm_multinode", "slurm_env_box")
 TEMPLATES = {"ppo_split_hetjob": "slurm_ppo_split", "grpo_colocated": "slurm_grpo_colocated",
              "multinode": "slurm_multinode"}
 
@@ -327,3 +327,20 @@ def test_batch_shell_holds_usr1_until_every_task_ignores_it(tmp_path: Path) -> N
     out, err = proc.communicate(timeout=30)
     assert proc.returncode == 7 and (logs / "got_usr1").exists(), (out, err)
     assert (logs / ".usr1_ready_77_2_0").exists()  # the wrapper's own marker, named by job, restart, rank
+
+
+def test_environment_workers_are_a_cpu_component_with_a_step_of_their_own() -> None:
+    script = render("slurm_env_box")
+    blocks = components(script)
+    assert len(blocks) == 2
+    env = options(blocks[1])
+    assert (env["nodes"], env["ntasks-per-node"], env["cpus-per-task"]) == ("1", "2", "1")
+    assert not any(key.startswith("gpus") for key in env)  # environments need CPUs, not GPUs
+    env_srun = script.index("srun --het-group=1 ")
+    train_srun = script.index("srun --het-group=0 ")  # the training step leaves the env component out
+    assert env_srun < train_srun < script.index('kill "$env_pid"')
+    assert "-m verl_hpc.roles.env.remote" in script and "env_worker${SLURM_PROCID:-0}.out" in script
+    four = render("slurm_env_box", "resources.env.num_workers=4", "resources.env.nodes=2")
+    assert options(components(four)[1])["ntasks-per-node"] == "2"
+    with pytest.raises(ConfigError, match="resources.env.partition"):
+        render("slurm_env_box", "resources.env.partition=a b")

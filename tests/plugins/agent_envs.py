@@ -22,16 +22,21 @@ class CountdownEnv:
     """Three turns whatever the model says; each step's reward is 1 if the turn holds a digit. `mode`
     makes a step raise, hang or answer garbage."""
 
+    failed_seeds: set = set()  # mode "flaky": seeds whose first step already failed (per process)
+
     def __init__(self, turns: int = 3, mode: str = "ok"):
         self.turns, self.mode, self.left = turns, mode, turns
 
     def reset(self, seed: int | None = None, **kwargs: object) -> GuessObservation:
-        self.left = self.turns
+        self.left, self.seed = self.turns, seed
         return GuessObservation(prompt=f"what is it {seed}")
 
     def step(self, action: GuessAction) -> GuessObservation:
         if self.mode == "raise":
             raise RuntimeError("the simulator crashed")
+        if self.mode == "flaky" and self.seed not in CountdownEnv.failed_seeds:
+            CountdownEnv.failed_seeds.add(self.seed)
+            raise RuntimeError("the simulator crashed once")
         if self.mode == "hang":
             time.sleep(30)
         if self.mode == "garbage":

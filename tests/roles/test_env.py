@@ -121,8 +121,36 @@ def test_a_failing_environment_costs_its_episode_and_is_counted(agent_dir: Path)
     torch.manual_seed(0)  # a turn reaches the environment only when the model ends it: seeded, some do
     _, records = _rows(agent, 8)
     assert all(r["env_failed"] and r["env_reward"] == 0.0 for r in records if r["finished"])
-    assert agent.metrics()["env/failures"] == sum(r["env_failed"] for r in records) > 0
+    failed, retries = sum(r["env_failed"] for r in records), sum(r["env_retries"] for r in records)
+    metrics = agent.metrics()
+    assert metrics["env/failures"] == failed + retries > 0  # each run that failed, re-runs included
+    assert metrics["env/retries"] == retries > 0  # max_retries 1: every failed episode ran once more
+    assert all(r["env_retries"] == 1 for r in records if r["env_failed"])
     agent.close()
+
+
+def test_an_episode_whose_environment_failed_is_run_again_from_a_fresh_reset(agent_dir: Path) -> None:
+    """A simulator that crashes once per seed: the re-run replaces the failed episode in its row."""
+    import torch
+
+    seen = type(make_environment("python", PLUGIN, {}).env).failed_seeds  # the class as the config loads it
+    seen.clear()
+    env = EnvironmentConfig(source="python", id=PLUGIN, kwargs={"mode": "flaky"})
+    agent, _ = _agent(agent_dir, env, deterministic=True)
+    torch.manual_seed(0)
+    _, records = _rows(agent, 8)
+    rerun = [r for r in records if r["env_retries"]]
+    assert rerun and not any(r["env_failed"] for r in records)  # each re-run got past the crash
+    assert all(r["messages"][1]["content"].startswith("what is it 1") for r in rerun)  # reset with its row's seed
+    metrics = agent.metrics()
+    assert metrics["env/failures"] == metrics["env/retries"] == len(rerun)
+    agent.close()
+    no_retry, _ = _agent(agent_dir, env.model_copy(update={"max_retries": 0}), deterministic=True)
+    seen.clear()
+    torch.manual_seed(0)
+    _, records = _rows(no_retry, 8)
+    assert sum(r["env_failed"] for r in records) == len(rerun) and not any(r["env_retries"] for r in records)
+    no_retry.close()
 
 
 def _process_runner(mode: str = "ok", workers: int = 2, timeout: float = 20.0):

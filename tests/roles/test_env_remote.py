@@ -46,7 +46,7 @@ def component(tmp_path: Path) -> Iterator[tuple[Path, list[subprocess.Popen]]]:
         tasks.append(subprocess.Popen([sys.executable, "-m", "verl_hpc.roles.env.remote", str(run_dir)], env=env))
     yield run_dir, tasks
     for task in tasks:
-        task.send_signal(signal.SIGTERM)
+        task.send_signal(signal.SIGINT)
     for task in tasks:
         assert task.wait(timeout=30) == 0  # a stopped supervisor stops its worker and leaves cleanly
 
@@ -76,6 +76,25 @@ def test_episodes_reach_the_component_by_the_run_directory_and_survive_a_killed_
         again = runner.reset_all([(f"f{i}", i, {}) for i in range(4)])  # its supervisor started it again
         assert all(a.reply is not None for a in again) and runner.restarts == 1
         assert victim not in {int(a.reply.text) for a in again} and len({a.reply.text for a in again}) == 2
+    finally:
+        runner.close()
+
+
+def test_sigterm_leaves_the_workers_serving_the_step_in_progress(component) -> None:
+    """Slurm's SIGTERM (a requeue, the time limit) reaches every task at once, while the trainer still
+    finishes its step: the workers must answer until the job script ends their step."""
+    run_dir, tasks = component
+    runner = ProcessEnvRunner(remote_starter(_home(run_dir), reconnect_s=5.0), 2, timeout=30.0)
+    try:
+        firsts = runner.reset_all([(f"e{i}", i, {}) for i in range(2)])
+        for task in tasks:
+            task.send_signal(signal.SIGTERM)
+        for first in firsts:
+            os.kill(int(first.reply.text), signal.SIGTERM)  # what slurmstepd sends each process of a task
+        time.sleep(1.0)
+        steps = [runner.submit(f"e{i}", "7").result(timeout=30) for i in range(2)]
+        assert all(s.reply == EnvReply("answer 2", 1.0, False) for s in steps)
+        assert all(task.poll() is None for task in tasks)
     finally:
         runner.close()
 

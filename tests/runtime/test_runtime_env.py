@@ -9,13 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from verl_hpc.runtime.process.env import (
-    JobEnvironment,
-    expand_hostlist,
-    hostnames,
-    parse_tasks_per_node,
-    port_from_job_id,
-)
+from verl_hpc.runtime.process.env import JobEnvironment, port_from_job_id
+from verl_hpc.runtime.process.hostlist import expand_hostlist, hostnames, parse_tasks_per_node
 
 
 @pytest.fixture(autouse=True)
@@ -111,12 +106,22 @@ def test_measured_het_step(procid: int, nodeid: int, localid: int, component: tu
     assert env.master_addr == "xnode1"
 
 
-def test_plain_srun_inside_a_hetjob_is_not_the_het_step() -> None:
+def test_plain_srun_inside_a_hetjob_spans_component_0_only() -> None:
     """The batch script exports every component's counts; a plain srun spans component 0 only."""
     env = JobEnvironment.from_env({**hetjob_env(procid=1), "SLURM_NTASKS": "2", "SLURM_STEP_NUM_TASKS": "2",
                                    "SLURM_STEP_NODELIST": "node3", "SLURM_NODEID": "0", "SLURM_LOCALID": "1"})
-    assert (env.rank, env.world_size, env.het_component()) == (1, 2, None)
+    assert (env.rank, env.world_size, env.het_component(), env.het_group_sizes) == (1, 2, (0, 1), (2,))
     assert env.master_addr == "node3"
+
+
+def test_a_training_step_beside_the_env_component_spans_the_first_components() -> None:
+    """`srun --het-group=0-1` of a job whose last component holds environment workers: Slurm 22.05
+    still says SLURM_HET_SIZE=3 there (measured on tools/slurm-local), the step has 3 tasks."""
+    env = {**hetjob_env(procid=2), "SLURM_NTASKS_HET_GROUP_2": "2", "SLURM_STEP_NUM_TASKS": "3",
+           "SLURM_NTASKS": "3"}
+    job = JobEnvironment.from_env(env)
+    assert (job.rank, job.world_size, job.het_group_sizes, job.het_component()) == (2, 3, (2, 1), (1, 0))
+    assert JobEnvironment.from_env({**env, "SLURM_STEP_NUM_TASKS": "4"}).het_group_sizes is None
 
 
 def test_hetjob_missing_component_count_is_explained() -> None:

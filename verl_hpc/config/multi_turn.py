@@ -47,6 +47,8 @@ class EnvironmentConfig(StrictModel):
     timeout_seconds: float = Field(30.0, gt=0, description="a reset or step running longer fails its episode "
                                    "(counted in env/failures); the run goes on")
     workers: int = Field(64, ge=1, description="environment calls running at once, over all episodes of a step")
+    max_retries: int = Field(1, ge=0, description="an episode whose environment failed is run again from a "
+                             "fresh reset (same seed), up to this many times; each failure counts in env/failures")
     num_workers: int = Field(0, ge=0, description="worker processes holding the environments (a crash or hang "
                              "costs their episodes, not the rollout; a dead worker is started again); 0 = "
                              "threads of the rollout process")

@@ -35,7 +35,8 @@ def episode_counts(records: list[dict[str, Any]]) -> tuple[dict[str, float], dic
             "env_episodes": float(sum(bool(r.get("has_env")) for r in records)),
             "env_steps": float(sum(r.get("env_steps", 0) for r in records)),
             "env_seconds": float(sum(r.get("env_seconds", 0.0) for r in records)),
-            "env_failures": float(sum(bool(r.get("env_failed")) for r in records)),
+            "env_failures": float(sum(bool(r.get("env_failed")) + r.get("env_retries", 0) for r in records)),
+            "env_retries": float(sum(r.get("env_retries", 0) for r in records)),
             "env_done": float(sum(bool(r.get("env_done")) for r in records))}
     return sums, {"turns": max(turns, default=0.0)}
 
@@ -53,7 +54,8 @@ def _env_metrics(sums: dict[str, float], episodes: float) -> dict[str, float]:
     """`env/*` when the episodes had an environment."""
     if not sums.get("env_episodes"):
         return {}
-    return {"env/failures": sums["env_failures"], "env/steps/mean": sums["env_steps"] / episodes,
+    return {"env/failures": sums["env_failures"], "env/retries": sums.get("env_retries", 0.0),
+            "env/steps/mean": sums["env_steps"] / episodes,
             "env/done_ratio": sums["env_done"] / episodes, "env/time_s": sums["env_seconds"]}
 
 

@@ -20,10 +20,12 @@ from pathlib import Path
 
 from verl_hpc.config import ConfigError, RoleResources, RunConfig
 from verl_hpc.config.placement import GroupSpec, ProcessPlan, plan_for_config
+from verl_hpc.config.resources import EnvResources
 from verl_hpc.launch.container import after_step, container_block, uses_container
 from verl_hpc.utils.version import VERSION as __version__
 
 WORKER_MODULE = "verl_hpc.runtime.worker"
+ENV_MODULE = "verl_hpc.roles.env.remote"
 # #SBATCH lines are split on whitespace by sbatch, and quoting there is not shell quoting.
 _SBATCH_VALUE = re.compile(r"^[^\s'\"\\]+$")
 # Variables of the submitting shell (sbatch exports it to the job) that would override
@@ -88,14 +90,17 @@ def _render(cfg: RunConfig, paths: ScriptPaths, version: str) -> str:
         if index:
             lines.append("#SBATCH hetjob")
         lines.extend(_component(plan, index, group))
+    if cfg.resources.env is not None:
+        lines += ["#SBATCH hetjob", *_env_component(cfg.resources.env, len(plan.groups))]
     in_image = paths.template or uses_container(cfg)
-    lines += ["", *_prologue(cfg, paths), "", *_signal_block(cfg, plan), "",
-              *_step(plan, in_image, after_step(cfg, paths.template))]
+    env_step = _env_step(len(plan.groups), in_image) if cfg.resources.env is not None else []
+    lines += ["", *_prologue(cfg, paths), "", *_signal_block(cfg, plan), "", *env_step,
+              *_step(plan, in_image, after_step(cfg, paths.template), bool(env_step))]
     return "\n".join(lines) + "\n"
 
 
 def _header(cfg: RunConfig, plan: ProcessPlan, paths: ScriptPaths, version: str) -> list[str]:
-    count = len(plan.groups)
+    count = len(plan.groups) + (cfg.resources.env is not None)
     shape = f"{count} hetjob components" if count > 1 else "1 component (a plain job, no hetjob)"
     return [
         "#!/bin/bash",
@@ -144,7 +149,33 @@ def _component(plan: ProcessPlan, index: int, group: GroupSpec) -> list[str]:
     return lines
 
 
-def _optional_flags(res: RoleResources) -> tuple[tuple[str, str | None], ...]:
+def _env_component(env: EnvResources, index: int) -> list[str]:
+    """The environment workers' component: CPU nodes, one task per worker, no GPUs."""
+    return [
+        "#",
+        f"# ---- component {index}: environment workers (resources.env), {_count(env.nodes, 'node')} x "
+        f"{_count(env.workers_per_node, 'task')}, no GPUs; not ranks of the training world ----",
+        f"#SBATCH --nodes={env.nodes}",
+        f"#SBATCH --ntasks-per-node={env.workers_per_node}",
+        f"#SBATCH --cpus-per-task={env.cpus_per_worker}",
+        *(f"#SBATCH --{flag}={value}" for flag, value in _optional_flags(env) if value is not None),
+    ]
+
+
+def _env_step(index: int, in_image: bool) -> list[str]:
+    srun = f"srun --het-group={index} --kill-on-bad-exit=0" + (' "${in_image[@]}"' if in_image else "")
+    return [
+        f"# ---- environment workers: component {index}, a job step of their own, started first ----",
+        "# Each task announces its port under $VERL_HPC_RUN_DIR/env_workers/<job>.<restart>/ and restarts its",
+        "# worker when it dies; the rollout connects with the run's token. Stopped when training ends.",
+        f'{srun} bash -c \'exec "$@" >>"$VERL_HPC_LOG_DIR/env_worker${{SLURM_PROCID:-0}}.out" 2>&1\' '
+        f'env_worker "$VERL_HPC_PYTHON" -m {ENV_MODULE} "$VERL_HPC_RUN_DIR" &',
+        "env_pid=$!",
+        "",
+    ]
+
+
+def _optional_flags(res: RoleResources | EnvResources) -> tuple[tuple[str, str | None], ...]:
     return (("mem", res.mem), ("partition", res.partition), ("account", res.account), ("qos", res.qos),
             ("constraint", res.constraint))
 
@@ -153,9 +184,9 @@ def _check_values(cfg: RunConfig) -> None:
     """Every config value that lands in an #SBATCH line, checked before anything is rendered."""
     _sbatch_value("slurm.job_name", cfg.slurm.job_name)
     _sbatch_value("slurm.time", cfg.slurm.time)
-    for group in plan_for_config(cfg).groups:
-        role = group.roles[0]
-        for flag, value in _optional_flags(group.resources):
+    places = [(group.roles[0], group.resources) for group in plan_for_config(cfg).groups]
+    for role, res in places + ([("env", cfg.resources.env)] if cfg.resources.env is not None else []):
+        for flag, value in _optional_flags(res):
             if value is not None:
                 _sbatch_value(f"resources.{role}.{flag}", value)
 
@@ -247,11 +278,11 @@ def _signal_block(cfg: RunConfig, plan: ProcessPlan) -> list[str]:
     ]
 
 
-def _step(plan: ProcessPlan, in_image: bool, requeue_for_image: list[str]) -> list[str]:
+def _step(plan: ProcessPlan, in_image: bool, requeue_for_image: list[str], env_step: bool) -> list[str]:
     count = len(plan.groups)
-    if count > 1:
+    if count > 1 or env_step:  # a hetjob (the env component makes one): name the training components
         comment = f"# One job step over all {count} components: {plan.world_size} tasks, one process group."
-        srun = f"srun --het-group=0-{count - 1} --kill-on-bad-exit=0"
+        srun = f"srun --het-group={'0' if count == 1 else f'0-{count - 1}'} --kill-on-bad-exit=0"
     else:
         comment = f"# One job step: {plan.world_size} tasks, one process group."
         srun = "srun --kill-on-bad-exit=0"
@@ -280,6 +311,8 @@ def _step(plan: ProcessPlan, in_image: bool, requeue_for_image: list[str]) -> li
         'wait "$step_pid"  # bash keeps the status of a reaped child: this is the step\'s exit status',
         "status=$?",
         'echo "verl-hpc: job step exited with status $status at $(date \'+%F %T\')"',
+        *(['kill "$env_pid" 2>/dev/null  # training is over: stop the environment workers',
+           'wait "$env_pid" 2>/dev/null'] if env_step else []),
         "# On failure: the ranks' roles, and the first rank the survivors named (from their logs).",
         'if [ "$status" != 0 ]; then',
         f'  echo "verl-hpc: global ranks: {rank_map(plan)}"',

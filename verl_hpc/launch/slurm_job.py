@@ -148,7 +148,9 @@ class SlurmBackend(Backend):
         """State per component, keyed by process group name (`component<i>` if the plan is unknown)."""
         records = self.records()
         plan = self.plan()
-        names = [g.name for g in plan.groups] if plan and len(plan.groups) == len(records) else []
+        names = [g.name for g in plan.groups] if plan else []
+        names += ["env"] if len(records) == len(names) + 1 else []  # the environment workers' component
+        names = names if len(names) == len(records) else []
         return {(names[i] if names else f"component{i}"): component(
             i, r.get("JobId", "?"), r.get("JobState", "?"), component_finished(r), r.get("ExitCode", ""),
             r.get("NodeList", ""), r.get("Reason", ""), int(r.get("Restarts") or 0))

@@ -41,6 +41,7 @@ class Episode:
     env_seconds: float = 0.0
     env_done: bool = False     # the environment said the episode is over
     env_failed: bool = False   # the environment raised, hung or answered garbage: counted in env/failures
+    env_retries: int = 0       # earlier runs of this episode that its environment failed (re-run since)
     done: bool = False
     finished: bool = False     # the last turn ended with the end-of-turn token and asked for no tool
     truncated: bool = False    # stopped by a budget (turns, tokens, length) while it had more to do
@@ -82,7 +83,7 @@ class Episode:
                 "tool_rewards": self.tool_rewards, "template_mismatch": self.template_mismatch,
                 "has_env": self.has_env, "env_reward": self.env_reward, "env_steps": self.env_steps,
                 "env_seconds": self.env_seconds,
-                "env_done": self.env_done, "env_failed": self.env_failed}
+                "env_done": self.env_done, "env_failed": self.env_failed, "env_retries": self.env_retries}
 
     def record_json(self) -> str:
         return json.dumps(self.record(), default=str)

@@ -121,9 +121,11 @@ class AgentRollout:
              sampling: Any, version: int, keep: bool = True) -> RolloutBatch:
         """The step's rows (row = group * n + sample) as finished episodes, unscored; `keep`: their
         metrics are the step's (validation rows are not)."""
-        episodes = self.episodes(step, groups, samples, [dataset.prompts[i] for i in prompt_index],
-                                 [dataset.extra_infos[i] for i in prompt_index], list(prompt_index))
+        prompts, infos = [dataset.prompts[i] for i in prompt_index], [dataset.extra_infos[i] for i in prompt_index]
+        episodes = self.episodes(step, groups, samples, prompts, infos, list(prompt_index))
         self.loop.run(episodes, sampling, version)
+        if self.cfg.environment is not None:
+            self.rerun_failed(episodes, step, groups, samples, prompts, infos, list(prompt_index), sampling, version)
         if keep:
             self.last_episodes = episodes
         return RolloutBatch.from_generation(
@@ -132,6 +134,23 @@ class AgentRollout:
             policy_version=version, step=step, sample_index=samples,
             data_source=[dataset.data_sources[i] for i in prompt_index],
             extra_info=[dataset.extra_infos[i] for i in prompt_index], trajectory=trajectory_columns(episodes))
+
+    def rerun_failed(self, episodes: list[Episode], step: int, groups: list[int], samples: list[int],
+                     prompts: list[Any], infos: list[Any], indices: list[int], sampling: Any, version: int) -> None:
+        """Episodes whose environment failed, run again from a fresh reset, in place, up to
+        `environment.max_retries` times: a crashed or hung environment costs a re-run, not a row
+        of the group (GRPO's baseline needs every sample). The last failure stays, counted."""
+        for _ in range(self.cfg.environment.max_retries):
+            failed = [i for i, e in enumerate(episodes) if e.env_failed]
+            if not failed:
+                return
+            log.warning("re-running %d episode(s) whose environment failed", len(failed))
+            again = self.episodes(step, [groups[i] for i in failed], [samples[i] for i in failed],
+                                  [prompts[i] for i in failed], [infos[i] for i in failed], [indices[i] for i in failed])
+            self.loop.run(again, sampling, version)
+            for i, episode in zip(failed, again, strict=True):
+                episode.env_retries = episodes[i].env_retries + 1
+                episodes[i] = episode
 
     def metrics(self) -> dict[str, float]:
         """`agent/*` of the latest step's episodes."""

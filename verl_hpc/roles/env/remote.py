@@ -141,6 +141,7 @@ def serve(directory: Path, index: int, spec: dict[str, Any], token: str) -> None
     """One worker: listen on a port of this node, announce it, answer every connection."""
     import threading
 
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # see `supervise`: the step in progress still needs us
     listener = Listener(("", 0), family="AF_INET", authkey=bytes.fromhex(token))
     pool = cf.ThreadPoolExecutor(max_workers=int(spec.get("threads", 16)), thread_name_prefix="env")
     _write_address(directory, index, listener.address[1])
@@ -155,17 +156,23 @@ def serve(directory: Path, index: int, spec: dict[str, Any], token: str) -> None
 
 
 def supervise(run_dir: Path, index: int, command: list[str], environ: dict[str, str]) -> int:
-    """Run `command` (the worker) and start it again whenever it dies, until told to stop."""
+    """Run `command` (the worker) and start it again whenever it dies, until SIGINT.
+
+    SIGTERM does not stop it: Slurm sends it to every task at once (`scontrol requeue`, scancel,
+    the time limit), and the trainer then finishes its step and saves, which needs the
+    environments of that step's episodes. The job script ends this step once training is over,
+    and Slurm's SIGKILL follows any SIGTERM after KillWait."""
     stopping: list[int] = []
     child: list[subprocess.Popen] = []
 
     def stop(signum: int, _frame: Any) -> None:
         stopping.append(signum)
         if child and child[0].poll() is None:
-            child[0].send_signal(signal.SIGTERM)
+            child[0].send_signal(signal.SIGINT)
 
-    signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, lambda *_: print(f"verl-hpc env worker {index}: SIGTERM; serving on while "
+                                                   "training finishes its step", flush=True))
     starts: list[float] = []
     while not stopping:
         starts = [t for t in starts if time.monotonic() - t < RESTART_WINDOW_S] + [time.monotonic()]
@@ -174,11 +181,20 @@ def supervise(run_dir: Path, index: int, command: list[str], environ: dict[str, 
                   "giving up (its episodes fail: env/failures)", flush=True)
             return 1
         child[:] = [subprocess.Popen(command, env=environ)]
-        code = child[0].wait()
+        code = _wait(child[0])
         if not stopping:
             print(f"verl-hpc env worker {index}: exited with code {code}; starting it again", flush=True)
             time.sleep(0.5)
     return 0
+
+
+def _wait(process: subprocess.Popen) -> int:
+    """The child's exit code; a signal handler's interruption is not its exit."""
+    while True:
+        try:
+            return process.wait()
+        except InterruptedError:  # pragma: no cover - PEP 475 retries; kept for old interpreters
+            continue
 
 
 def worker_spec(cfg: Any) -> dict[str, Any]:

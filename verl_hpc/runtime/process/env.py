@@ -18,10 +18,7 @@ import contextlib
 import json
 import os
 import random
-import re
-import shutil
 import socket
-import subprocess
 import time
 import zlib
 from collections.abc import Mapping
@@ -29,101 +26,15 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from verl_hpc.runtime.process.hostlist import hostnames, parse_tasks_per_node
+
 Scheduler = Literal["local", "slurm", "torchrun"]
 
 PORT_SPAN = 20000  # ports derived from a job id: [base, base + PORT_SPAN), two jobs on a node rarely collide
 SLURM_PORT_BASE = 29500  # torchrun's default MASTER_PORT; a Slurm job's port is this + job id % PORT_SPAN
 DEBUG_PREFIXES = ("VERL_HPC_", "SLURM_", "MASTER_", "NCCL_", "GLOO_", "TORCHELASTIC_")
 DEBUG_NAMES = ("CUDA_VISIBLE_DEVICES", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
-SCONTROL_TIMEOUT_S = 10.0
 _PORT_DRAW = random.SystemRandom()  # os.urandom per draw: forked or seeded processes still draw apart
-
-
-def expand_hostlist(spec: str) -> list[str]:
-    """Expand Slurm hostlist syntax: `node[01-03,7],gpu5` -> node01, node02, node03, node7, gpu5.
-
-    Why our own parser: containers often lack `scontrol` (a top complaint of RL users on
-    Slurm), yet the rendezvous host must be known on every task. Zero padding follows the
-    width of a range's first bound, as Slurm does; several brackets in one name expand as
-    a product (`r[1-2]n[1-2]`).
-    """
-    hosts: list[str] = []
-    for item in _split_top_level(spec.strip()):
-        hosts.extend(_expand_item(item.strip()))
-    return hosts
-
-
-def _split_top_level(spec: str) -> list[str]:
-    """Split on commas that are outside brackets."""
-    items, depth, start = [], 0, 0
-    for i, char in enumerate(spec):
-        if char == "[":
-            depth += 1
-        elif char == "]":
-            depth -= 1
-            if depth < 0:
-                raise ValueError(f"unbalanced ']' in hostlist {spec!r}")
-        elif char == "," and depth == 0:
-            items.append(spec[start:i])
-            start = i + 1
-    if depth != 0:
-        raise ValueError(f"unbalanced '[' in hostlist {spec!r}")
-    items.append(spec[start:])
-    return [item for item in items if item.strip()]
-
-
-def _expand_item(item: str) -> list[str]:
-    match = re.search(r"\[([^\[\]]*)\]", item)
-    if match is None:
-        return [item]
-    head, tail = item[: match.start()], item[match.end():]
-    tails = _expand_item(tail) if tail else [""]
-    return [head + value + rest for value in _expand_ranges(match.group(1), item) for rest in tails]
-
-
-def _expand_ranges(body: str, item: str) -> list[str]:
-    values: list[str] = []
-    for part in body.split(","):
-        part = part.strip()
-        lo, sep, hi = part.partition("-")
-        if not lo.isdigit() or (sep and not hi.isdigit()):
-            raise ValueError(f"bad range {part!r} in hostlist item {item!r}")
-        if not sep:
-            values.append(lo)
-            continue
-        if int(hi) < int(lo):
-            raise ValueError(f"descending range {part!r} in hostlist item {item!r}")
-        values.extend(str(n).zfill(len(lo)) for n in range(int(lo), int(hi) + 1))
-    return values
-
-
-def hostnames(nodelist: str) -> list[str]:
-    """Hostnames of a Slurm nodelist: `scontrol show hostnames` when present, else our parser.
-
-    Why prefer scontrol: it is the reference implementation (site-specific syntax too);
-    the parser is the fallback for containers and for machines without Slurm.
-    """
-    if shutil.which("scontrol"):
-        try:
-            done = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True,
-                                  text=True, timeout=SCONTROL_TIMEOUT_S, check=False)
-            names = done.stdout.split()
-            if done.returncode == 0 and names:
-                return names
-        except (OSError, subprocess.SubprocessError):
-            pass
-    return expand_hostlist(nodelist)
-
-
-def parse_tasks_per_node(spec: str) -> list[int]:
-    """`2(x3),1` -> [2, 2, 2, 1]: Slurm's compressed tasks-per-node list, one entry per node."""
-    counts: list[int] = []
-    for part in spec.split(","):
-        match = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
-        if match is None:
-            raise ValueError(f"cannot parse tasks per node {spec!r}")
-        counts.extend([int(match.group(1))] * int(match.group(2) or 1))
-    return counts
 
 
 def port_from_job_id(job_id: str | None, base: int) -> int:
@@ -203,8 +114,20 @@ def het_group_sizes(env: Mapping[str, str]) -> tuple[int, ...] | None:
         sizes.append(int(value))
     step_tasks = env.get("SLURM_STEP_NUM_TASKS")
     if step_tasks and step_tasks.isdigit() and int(step_tasks) != sum(sizes):
-        return None
+        return _step_prefix(sizes, int(step_tasks))
     return tuple(sizes)
+
+
+def _step_prefix(sizes: list[int], step_tasks: int) -> tuple[int, ...] | None:
+    """The first components, when this step spans exactly them (`srun --het-group=0-K`): training
+    steps leave out the environment workers' component, which is last (measured, Slurm 22.05:
+    SLURM_HET_SIZE still counts every component there). None for any other step."""
+    total = 0
+    for count, size in enumerate(sizes, start=1):
+        total += size
+        if total == step_tasks:
+            return tuple(sizes[:count])
+    return None
 
 
 def _component_of(rank: int, sizes: tuple[int, ...]) -> tuple[int, int]:
