@@ -139,3 +139,13 @@ def test_step_memory_measures_whole_smollm2_steps(quick_run: tuple[subprocess.Co
         assert variant["peak_rss_bytes"] >= variant["rank_peak_rss_gb"] * 2**30 * 0.9
         assert len(variant["step_s"]) == 2
     assert "target: peak <= bound" in step_memory.table(result)
+
+
+def test_the_defaults_are_timed_against_the_fastest_hand_set_variant() -> None:
+    from bench.memory import defaults_vs_hand_set
+
+    variants = {"plain": {"step_s": [9.0, 1.0]}, "defaults": {"step_s": [9.0, 6.0]},
+                "all": {"step_s": [9.0, 5.0]}, "remove_padding": {"step_s": [9.0, 4.0]}, "x": {"failed": "exit 1"}}
+    assert defaults_vs_hand_set(variants) == {"step_time_vs_best_hand_set/defaults":
+                                              {"median": 1.5, "min": 1.5, "max": 1.5}}  # plain is no switch
+    assert defaults_vs_hand_set({"defaults": {"step_s": [1.0]}}) == {}
