@@ -22,7 +22,7 @@ from pathlib import Path
 
 BENCHMARKS = {"step": "bench.step", "memory": "bench.memory", "checkpoint": "bench.checkpoint",
               "preemption": "bench.preemption", "transport": "bench.transport", "weight_sync": "bench.weight_sync",
-              "agent_step": "bench.agent_step"}
+              "agent_step": "bench.agent_step", "env_step": "bench.env_step"}
 # Not in `all`: minutes of a local Slurm cluster (`preemption --slurm`), and the real-model step (a built
 # SmolLM2, TRL's venv, minutes: `step --model smollm2`). "module:model" runs the module with `model=`.
 OPT_IN = {"preemption_slurm": "bench.preemption_slurm", "step_smollm2": "bench.step:smollm2"}

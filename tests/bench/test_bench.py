@@ -75,7 +75,7 @@ def test_bench_tables_name_targets(quick_run: tuple[subprocess.CompletedProcess,
     proc, _ = quick_run
     assert proc.returncode == 0, proc.stderr[-3000:]
     for header in ("checkpoint benchmark:", "transport benchmark:", "weight sync benchmark:", "RL step benchmark:",
-                   "preemption benchmark:", "memory benchmark:"):
+                   "preemption benchmark:", "memory benchmark:", "environment step benchmark:"):
         assert header in proc.stdout
     assert proc.stdout.count(" met") + proc.stdout.count(" MISSED") >= len(BENCHMARKS)
 
@@ -149,3 +149,17 @@ def test_the_defaults_are_timed_against_the_fastest_hand_set_variant() -> None:
     assert defaults_vs_hand_set(variants) == {"step_time_vs_best_hand_set/defaults":
                                               {"median": 1.5, "min": 1.5, "max": 1.5}}  # plain is no switch
     assert defaults_vs_hand_set({"defaults": {"step_s": [1.0]}}) == {}
+
+
+def test_the_environment_benchmark_plays_the_real_game_at_the_stated_cost() -> None:
+    import time
+
+    from bench.env_step import BusyGuess
+
+    env = BusyGuess(work_ms=30.0, kind="cpu")
+    first = env.reset(seed=5)
+    assert "number" in first.prompt.lower()  # TextArena's GuessTheNumber, as it introduces itself
+    started_cpu = time.thread_time()
+    reply = env.step(None)
+    assert time.thread_time() - started_cpu >= 0.03  # a step costs its CPU on the calling thread
+    assert env.state.step_count == 1 and ("higher" in reply.prompt or "lower" in reply.prompt or reply.done)

@@ -141,3 +141,13 @@ def test_status_shows_each_cuda_roles_gpus(tmp_path: Path, monkeypatch: pytest.M
     assert "reward (reward): 1 task(s), cpu device_ids [3]" in text  # CPU roles: no GPU lines
     unknown = "\n".join(device_report(run_dir, {"available": False, "reason": "no driver", "devices": []}))
     assert "GPU use unknown: no driver" in unknown
+
+
+def test_status_shows_the_environment_workers(tmp_path: Path) -> None:
+    from verl_hpc.launch.elastic import device_report
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text(dump_config(load_config(REPO / "configs/slurm_env_box.yaml")))
+    text = "\n".join(device_report(run_dir))
+    assert "env (environment workers): 2 process(es), 1 CPU(s) each, 1 node(s) of their own under Slurm" in text

@@ -73,7 +73,8 @@ def device_report(run_dir: Path, gpu_usage: dict[str, Any] | None = None) -> lis
 
     if not (run_dir / "config.yaml").is_file():
         return []
-    plan = plan_for_config(load_config(run_dir / "config.yaml"))
+    cfg = load_config(run_dir / "config.yaml")
+    plan = plan_for_config(cfg)
     lines = ["devices per role:"]
     for group in plan.groups:
         res = group.resources
@@ -81,6 +82,10 @@ def device_report(run_dir: Path, gpu_usage: dict[str, Any] | None = None) -> lis
                      f"device_ids {res.device_ids}, strategy {res.strategy}")
         if res.device_type == "cuda" and gpu_usage is not None:
             lines.extend(_gpu_lines(res.device_ids, gpu_usage))
+    if cfg.resources.env is not None:
+        env = cfg.resources.env
+        lines.append(f"  env (environment workers): {env.num_workers} process(es), {env.cpus_per_worker} CPU(s) "
+                     f"each, {env.nodes} node(s) of their own under Slurm")
     last = _last_metrics(run_dir / "tensorboard" / "metrics.jsonl")
     gauges = {k: v for k, v in last.items() if k.startswith(("memory/", "resource/"))}
     if gauges:

@@ -281,7 +281,9 @@ def _signal_block(cfg: RunConfig, plan: ProcessPlan) -> list[str]:
 def _step(plan: ProcessPlan, in_image: bool, requeue_for_image: list[str], env_step: bool) -> list[str]:
     count = len(plan.groups)
     if count > 1 or env_step:  # a hetjob (the env component makes one): name the training components
-        comment = f"# One job step over all {count} components: {plan.world_size} tasks, one process group."
+        which = f"all {count} components" if not env_step else \
+            "the training component" if count == 1 else f"the {count} training components"
+        comment = f"# One job step over {which}: {plan.world_size} tasks, one process group."
         srun = f"srun --het-group={'0' if count == 1 else f'0-{count - 1}'} --kill-on-bad-exit=0"
     else:
         comment = f"# One job step: {plan.world_size} tasks, one process group."
