@@ -5,7 +5,9 @@
 simulator's work) or of waiting (`wait`: a remote service) — played by the tiny-agent model with a
 head that ends a turn with probability 1/6 per token, so every episode reaches the environment on
 most turns. The model's text does not steer the game (a tiny tokenizer cannot spell a guess): each
-turn guesses a number drawn from the episode's seed, which is what a timing harness needs.
+turn guesses a number drawn from the episode's seed, which is what a timing harness needs; the
+game's hints come back as they are, its 500-character rules as one short line (the tiny model has
+256 positions).
 
 Each repetition samples the same episodes (seeded, `deterministic_rounds`) in every arrangement,
 one after the other, and times the rollout of the whole batch (the update after it is the same in
@@ -78,7 +80,8 @@ class BusyGuess(Environment):  # type: ignore[misc,valid-type]
 
     def reset(self, seed: int | None = None, episode_id: str | None = None, **kwargs: Any) -> Any:
         self.draw, self._state = random.Random(seed), State(episode_id=episode_id, step_count=0)
-        return GuessObservation(prompt=self.game.reset(seed=seed).text)
+        self.game.reset(seed=seed)  # its 500-character rules would fill the tiny model's 256 positions:
+        return GuessObservation(prompt="guess the number, 1 to 20")  # the hints after each guess are its own
 
     def step(self, action: Any, timeout_s: float | None = None, **kwargs: Any) -> Any:
         self._state.step_count += 1
@@ -114,8 +117,12 @@ def _ending_policy(model_dir: Path) -> torch.nn.Module:
     with torch.no_grad():
         head.weight.zero_()
         head.bias.zero_()
-        end = AutoTokenizer.from_pretrained(model_dir).convert_tokens_to_ids(EOT)
+        tok = AutoTokenizer.from_pretrained(model_dir)
+        end = tok.convert_tokens_to_ids(EOT)
         head.bias[end] = math.log(END_PROBABILITY / (1 - END_PROBABILITY) * (vocab - 1))
+        for token, index in tok.get_vocab().items():  # no tool calls: every closed turn goes to the game
+            if "tool" in token:
+                head.bias[index] = -30.0
     model.lm_head = head
     return model
 
@@ -125,13 +132,15 @@ def _agent(model: torch.nn.Module, model_dir: Path, env: dict[str, Any]) -> Any:
 
     from verl_hpc.config.multi_turn import EnvironmentConfig, MultiTurnConfig
     from verl_hpc.roles.agent import AgentRollout
+    from verl_hpc.roles.agent.build import max_context
     from verl_hpc.roles.rollout.base import stop_token_ids
     from verl_hpc.roles.rollout.hf import HFRolloutEngine
 
     tok = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
     cfg = MultiTurnConfig(enable=True, environment=EnvironmentConfig(**env, timeout_seconds=600, workers=256),
                           max_assistant_turns=4, deterministic_rounds=True)
-    return AgentRollout(cfg, HFRolloutEngine(model, tok), tok, stop_token_ids(tok, str(model_dir)), 512)
+    return AgentRollout(cfg, HFRolloutEngine(model, tok), tok, stop_token_ids(tok, str(model_dir)),
+                        max_context(str(model_dir)))
 
 
 def _rollout_seconds(agent: Any, episodes: int, rep: int) -> tuple[float, dict[str, float]]:
