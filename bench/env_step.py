@@ -76,17 +76,20 @@ class BusyGuess(Environment):  # type: ignore[misc,valid-type]
         from verl_hpc.roles.env.sources import TextArenaEnvironment
 
         self.game, self.work_s, self.kind = TextArenaEnvironment("GuessTheNumber-v0"), work_ms / 1000, kind
-        self.draw, self._state = random.Random(0), State(step_count=0)
+        self.guesses, self._state = list(range(1, 21)), State(step_count=0)
 
     def reset(self, seed: int | None = None, episode_id: str | None = None, **kwargs: Any) -> Any:
-        self.draw, self._state = random.Random(seed), State(episode_id=episode_id, step_count=0)
+        # distinct guesses (a repeated one is an invalid move), not drawn from Random(seed): TextArena draws
+        # its number from `random.seed(seed)`, so the first guess would always win
+        self.guesses = random.Random(f"guesses-{seed}").sample(range(1, 21), 20)
+        self._state = State(episode_id=episode_id, step_count=0)
         self.game.reset(seed=seed)  # its 500-character rules would fill the tiny model's 256 positions:
         return GuessObservation(prompt="guess the number, 1 to 20")  # the hints after each guess are its own
 
     def step(self, action: Any, timeout_s: float | None = None, **kwargs: Any) -> Any:
         self._state.step_count += 1
         _spend(self.work_s, self.kind)
-        reply = self.game.step(f"[{self.draw.randint(1, 20)}]")
+        reply = self.game.step(f"[{self.guesses.pop()}]")
         return GuessObservation(prompt=reply.text, reward=reply.reward, done=reply.done)
 
     @property

@@ -301,3 +301,13 @@ def test_workers_in_the_image_get_the_earliest_end_time_from_the_batch_shell(tmp
     template = render_template(load_config(REPO / "configs" / "slurm_local.yaml", [f"model.path={MODEL}"]))
     plain, logs = run_script(tmp_path, template)  # on the host the workers ask scontrol themselves
     assert plain.returncode == 0 and (logs / "worker_end_time").read_text() == "unset"
+
+
+@pytest.mark.parametrize("runtime", sorted(IMAGES))
+def test_environment_workers_run_in_the_image_too(runtime: str) -> None:
+    code, out, err = cli("sbatch", "configs/slurm_env_box.yaml", "--run-dir", "/scratch/runs/env",
+                         "--python", "/opt/verl-hpc/.venv/bin/python", *container(runtime))
+    assert code == 0, err
+    assert subprocess.run(["bash", "-n"], input=out, text=True, check=False).returncode == 0
+    assert 'srun --het-group=1 --kill-on-bad-exit=0 "${in_image[@]}" bash -c' in out  # the env step
+    assert 'srun --het-group=0 --kill-on-bad-exit=0 "${in_image[@]}" bash -c' in out  # the training step
