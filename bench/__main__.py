@@ -24,8 +24,9 @@ BENCHMARKS = {"step": "bench.step", "memory": "bench.memory", "checkpoint": "ben
               "preemption": "bench.preemption", "transport": "bench.transport", "weight_sync": "bench.weight_sync",
               "agent_step": "bench.agent_step", "env_step": "bench.env_step"}
 # Not in `all`: minutes of a local Slurm cluster (`preemption --slurm`), and the real-model step (a built
-# SmolLM2, TRL's venv, minutes: `step --model smollm2`). "module:model" runs the module with `model=`.
-OPT_IN = {"preemption_slurm": "bench.preemption_slurm", "step_smollm2": "bench.step:smollm2"}
+# SmolLM2, TRL's venv, minutes: `step --model smollm2`), the plan's estimate per model (SmolLM2 at 512 tokens). "module:model" runs the module with `model=`.
+OPT_IN = {"preemption_slurm": "bench.preemption_slurm", "step_smollm2": "bench.step:smollm2",
+          "plan_estimate": "bench.plan_estimate"}
 # `--model NAME` picks a benchmark's real-model variant: (benchmark, model) -> the name above.
 MODEL_VARIANTS = {("step", "smollm2"): "step_smollm2"}
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -163,3 +163,16 @@ def test_the_environment_benchmark_plays_the_real_game_at_the_stated_cost() -> N
     reply = env.step(None)
     assert time.thread_time() - started_cpu >= 0.03  # a step costs its CPU on the calling thread
     assert env.state.step_count == 1 and ("higher" in reply.prompt or "lower" in reply.prompt or reply.done)
+
+
+def test_the_plan_estimate_benchmark_judges_every_case() -> None:
+    from bench.plan_estimate import cases, table
+
+    assert list(cases(True, None)) == ["tiny/64"]
+    assert list(cases(False, Path("/data.parquet"))) == ["tiny/64", "tiny/512", "small/64", "small/512",
+                                                         "smollm2/64", "smollm2/512"]
+    close = {"estimate_gb": 1.1, "measured_gb": 1.0, "ratio": 1.1, "response_tokens": 64}
+    assert "target: every estimate within 20% of its measured peak: met (worst 10% off)" in table(
+        {"target": 0.2, "cases": {"tiny/64": close}})
+    far = {**close, "ratio": 0.7}
+    assert ": MISSED (worst 30% off)" in table({"target": 0.2, "cases": {"tiny/64": close, "small/64": far}})
