@@ -25,9 +25,10 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from multiprocessing import AuthenticationError
-from multiprocessing.connection import Client, Listener
+from multiprocessing.connection import Client, Connection, Listener
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,7 @@ ADDRESS_DIR = "env_workers"
 HOST_ENV = "VERL_HPC_ENV_HOST"  # the name other nodes reach this one by, when the hostname is not it
 RESTART_LIMIT = 10  # restarts within RESTART_WINDOW_S before a supervisor gives up
 RESTART_WINDOW_S = 60.0
+Address = tuple[str, int, int]  # host, port, pid of a worker
 
 
 def attempt_dir(run_dir: str | os.PathLike[str], job_id: str, restart: str | int) -> Path:
@@ -70,7 +72,7 @@ class EnvHome:
 class RemoteWorker:
     """The rollout's link to worker `index` of the env component (reached by its address file)."""
 
-    def __init__(self, index: int, home: EnvHome, wait_s: float | None = None, avoid: tuple | None = None):
+    def __init__(self, index: int, home: EnvHome, wait_s: float | None = None, avoid: Address | None = None):
         self.index, self.home = index, home
         self.address, conn = _connect(home, index, home.wait_s if wait_s is None else wait_s, avoid)
         self.link = EnvConnection(conn, f"env-remote{index}", self._why_lost)
@@ -91,7 +93,7 @@ class RemoteWorker:
         self.link.fail_all()
 
 
-def _connect(home: EnvHome, index: int, wait_s: float, avoid: tuple | None):
+def _connect(home: EnvHome, index: int, wait_s: float, avoid: Address | None) -> tuple[Address, Connection]:
     """((host, port, pid), connection) of worker `index`, waiting for its file and its port;
     `avoid`: the address of a worker that died (its restart writes a new one)."""
     path = address_path(home.directory, index)
@@ -115,7 +117,7 @@ def _connect(home: EnvHome, index: int, wait_s: float, avoid: tuple | None):
         time.sleep(0.2)
 
 
-def remote_starter(home: EnvHome, reconnect_s: float):
+def remote_starter(home: EnvHome, reconnect_s: float) -> Callable[[int], RemoteWorker]:
     """`ProcessEnvRunner`'s start function: connect at first, and reconnect to a restarted worker."""
     links: dict[int, RemoteWorker] = {}
 
