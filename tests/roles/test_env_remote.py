@@ -122,3 +122,46 @@ def test_a_worker_that_keeps_dying_is_given_up(tmp_path: Path) -> None:
     started = time.monotonic()
     code = remote.supervise(tmp_path, 0, [sys.executable, "-c", "raise SystemExit(5)"], dict(os.environ))
     assert code == 1 and time.monotonic() - started < 30
+
+
+class _FakeLink:
+    """A worker link that answers at once, until it is marked dead."""
+
+    def __init__(self, index: int):
+        import concurrent.futures as cf
+
+        self.index, self.dead, self._cf = index, False, cf
+
+    @property
+    def alive(self) -> bool:
+        return not self.dead
+
+    def request(self, request_id: int, op: str, episode: str, payload: object):
+        future = self._cf.Future()
+        future.set_result(("ok", (f"worker {self.index}", 0.0, False)) if op != "close" else ("ok", None))
+        return future
+
+    def stop(self) -> None:
+        self.dead = True
+
+
+def test_a_worker_that_cannot_come_back_is_skipped_not_waited_for_at_every_episode() -> None:
+    starts: list[int] = []
+
+    def start(index: int) -> _FakeLink:
+        starts.append(index)
+        if len(starts) > 2:  # after the first two: worker 1's node is gone
+            raise EnvFailure(f"environment worker {index} unreachable")
+        return _FakeLink(index)
+
+    runner = ProcessEnvRunner(start, 2, timeout=5.0)
+    try:
+        runner.workers[1].dead = True
+        outcomes = runner.reset_all([(f"e{i}", i, {}) for i in range(6)])
+        assert [o.reply.text for o in outcomes] == ["worker 0"] * 6  # all on the worker still alive
+        assert starts == [0, 1, 1]  # one try to start worker 1 again, then none until RETRY_AFTER_S
+        runner.workers[0].dead = True
+        lost = runner.reset_all([("f", 0, {})])[0]
+        assert lost.reply is None and "unreachable" in lost.error  # none left: the episode fails, counted
+    finally:
+        runner.close()

@@ -34,6 +34,7 @@ from verl_hpc.roles.env.wire import EnvConnection, TimeoutSweeper, serve_connect
 from verl_hpc.utils.child import accept_child
 
 KEY_ENV = "VERL_HPC_ENV_KEY"
+RETRY_AFTER_S = 60.0  # a worker that could not be started again is not tried before this
 
 
 class WorkerLink(Protocol):
@@ -101,7 +102,7 @@ class ProcessEnvRunner:
     """`EnvRunner`'s interface over worker processes: each episode's environment lives in one worker.
 
     `start(index)` makes worker `index` (again, when it died): a process of this rollout, or a
-    link to a worker of the Slurm env component (`remote.remote_runner`)."""
+    link to a worker of the Slurm env component (`remote.remote_starter`)."""
 
     def __init__(self, start: Callable[[int], WorkerLink], num_workers: int, timeout: float):
         self.start, self.timeout = start, timeout
@@ -112,6 +113,7 @@ class ProcessEnvRunner:
         self._next = itertools.cycle(range(num_workers))
         self._lock = threading.Lock()
         self._sweeper = TimeoutSweeper()
+        self._down_until: dict[int, float] = {}  # workers that could not be started again, until when
 
     @classmethod
     def local(cls, spec: dict[str, Any], num_workers: int, timeout: float,
@@ -131,14 +133,18 @@ class ProcessEnvRunner:
             return self.workers[self._home[episode]]
 
     def _pick(self) -> int:
-        """The next worker, started again if it died; if it cannot be, another one still alive."""
+        """The next worker, started again if it died; if it cannot be (tried again after RETRY_AFTER_S,
+        so a worker gone for good does not cost every step a wait), another one still alive."""
         index = next(self._next)
         if self.workers[index].alive:
             return index
         self.workers[index].stop()
         try:
+            if time.monotonic() < self._down_until.get(index, 0.0):
+                raise EnvFailure(f"environment worker {index} could not be started again a moment ago")
             self.workers[index] = self.start(index)
         except EnvFailure:
+            self._down_until[index] = max(self._down_until.get(index, 0.0), time.monotonic() + RETRY_AFTER_S)
             alive = [i for i, worker in enumerate(self.workers) if worker.alive]
             if not alive:
                 raise
