@@ -10,6 +10,7 @@ verdict without a number scores 0 (`reward.on_error: zero`), never the run.
 from __future__ import annotations
 
 import copy
+import importlib.util
 import re
 from pathlib import Path
 from typing import Any
@@ -87,3 +88,19 @@ def test_a_judge_on_its_own_group_scores_as_the_colocated_one(tmp_path: Path, ti
             number = parse_verdict(verdict, "number")
             assert score == pytest.approx(0.0 if number is None else number, abs=1e-3), (verdict, score)
     assert any(re.search(r"\d", verdict) for table in near_tables.values() for _, verdict in table_rows(table))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
+def test_a_vllm_judge_scores_what_it_says(tmp_path: Path, tiny_model_dir: Path, smollm2_model: Path) -> None:
+    """`reward.judge.strategy: vllm`: the judge is a vLLM engine (CPU here), greedy like the HF one;
+    the run trains, each row's score is its verdict's number, and the verdicts reach the samples."""
+    data = judge_run(tiny_model_dir, smollm2_model)
+    data["reward"]["judge"]["strategy"] = "vllm"
+    rows = trained(data, tmp_path / "vllm_judge")
+    assert all(r["reward/judge/calls"] > 0 and r["actor/grad_norm"] > 0 for r in rows)
+    tables = samples(tmp_path / "vllm_judge")
+    assert sorted(tables) == list(range(1, STEPS + 1))
+    for table in tables.values():
+        for score, verdict in table_rows(table):
+            number = parse_verdict(verdict, "number")
+            assert score == pytest.approx(0.0 if number is None else number, abs=1e-3), (verdict, score)
