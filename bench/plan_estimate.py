@@ -68,7 +68,7 @@ def run(quick: bool = False, scratch: str | None = None) -> dict[str, Any]:
             from bench.memory import _gsm8k
 
             data = _gsm8k(work / "gsm8k")
-        results = {name: measure(name, args, work) for name, args in cases(quick, data)}
+        results = {name: measure(name, args, work) for name, args in cases(quick, data).items()}
     finally:
         shutil.rmtree(work, ignore_errors=True)
     out: dict[str, Any] = {"quick": quick, "target": TARGET, "cases": results,
