@@ -57,7 +57,7 @@ scratch="${TMPDIR:-/tmp}/verl-hpc-tests"
 mkdir -p "$scratch"
 slurm=(tests/slurm tests/runtime/test_agent_placements.py tests/runtime/test_agent_resume.py
        tests/e2e/test_smollm2_gsm8k.py tests/e2e/test_smollm2_tools.py tests/e2e/test_judge_e2e.py
-       tests/e2e/test_vllm_e2e.py tests/runtime/test_validation.py)
+       tests/e2e/test_vllm_e2e.py tests/runtime/test_validation.py tests/cli/test_dapo_quickstart.py)
 beside=(tests/reliability tests/runtime/test_resume.py tests/e2e/test_dist_e2e.py tests/launch/test_facade.py
         tests/roles/test_lora.py tests/metrics/test_prometheus.py tests/e2e/test_soak.py
         tests/runtime/test_placement_equivalence.py tests/algo/test_preset_learning.py
