@@ -160,6 +160,28 @@ def _process_runner(mode: str = "ok", workers: int = 2, timeout: float = 20.0):
     return ProcessEnvRunner.local(spec, workers, timeout)
 
 
+def kill_a_worker_mid_episode(runner, lost_error: str) -> list:
+    """kill -9 of the worker holding episode e0 (PidEnv answers its pid): only its episodes fail, with
+    `lost_error` in why, and the next episodes reach a worker started again. Returns the new episodes'
+    first observations."""
+    import os
+    import signal
+
+    firsts = runner.reset_all([(f"e{i}", i, {}) for i in range(4)])
+    victim = int(firsts[0].reply.text)
+    os.kill(victim, signal.SIGKILL)
+    steps = [runner.submit(f"e{i}", "7").result(timeout=30) for i in range(4)]
+    lost = [i for i in range(4) if int(firsts[i].reply.text) == victim]
+    assert all(steps[i].reply is None and lost_error in steps[i].error for i in lost)
+    assert all(steps[i].reply is not None for i in range(4) if i not in lost)
+    for i in range(4):
+        runner.finish(f"e{i}")
+    again = runner.reset_all([(f"f{i}", i, {}) for i in range(4)])
+    assert all(a.reply is not None for a in again) and runner.restarts == 1
+    assert victim not in {int(a.reply.text) for a in again}
+    return again
+
+
 def test_worker_processes_hold_episodes_and_answer_in_parallel() -> None:
     import os
 
@@ -175,23 +197,10 @@ def test_worker_processes_hold_episodes_and_answer_in_parallel() -> None:
 
 
 def test_a_killed_worker_fails_its_episodes_only_and_is_started_again() -> None:
-    import os
-    import signal
 
     runner = _process_runner()
     try:
-        firsts = runner.reset_all([(f"e{i}", i, {}) for i in range(4)])
-        victim = int(firsts[0].reply.text)
-        os.kill(victim, signal.SIGKILL)  # kill -9 mid-episode
-        steps = [runner.submit(f"e{i}", "7").result(timeout=30) for i in range(4)]
-        lost = [i for i in range(4) if int(firsts[i].reply.text) == victim]
-        assert all(steps[i].reply is None and "died" in steps[i].error for i in lost)
-        assert all(steps[i].reply is not None for i in range(4) if i not in lost)
-        for i in range(4):
-            runner.finish(f"e{i}")
-        again = runner.reset_all([(f"f{i}", i, {}) for i in range(4)])  # the next episodes get a new worker
-        assert all(a.reply is not None for a in again) and runner.restarts == 1
-        assert victim not in {int(a.reply.text) for a in again}
+        kill_a_worker_mid_episode(runner, "died")
     finally:
         runner.close()
 
