@@ -88,9 +88,10 @@ def test_a_bad_tool_is_refused_before_a_slurm_job_is_submitted(tmp_path) -> None
     assert not (tmp_path / "run").exists()
 
 
-def greedy_accuracy(model, model_dir: Path, rows: int = 100, max_digit: int = MAX_DIGIT) -> tuple[float, float]:
+def greedy_accuracy(model, model_dir: Path, rows: int = 100, max_digit: int = MAX_DIGIT,
+                    budget: int = 8) -> tuple[float, float]:
     """(answers equal to the hidden digit, episodes that opened the box) of the greedy policy on fresh rows
-    whose digits come from the same range as the training rows'."""
+    whose digits come from the same range as the training rows', with `budget` model tokens an episode."""
     from types import SimpleNamespace
 
     from transformers import AutoTokenizer
@@ -111,7 +112,7 @@ def greedy_accuracy(model, model_dir: Path, rows: int = 100, max_digit: int = MA
                                          max_assistant_turns=2), HFRolloutEngine(model, tok), tok,
                          stop_token_ids(tok, str(model_dir)), 256)
     batch = agent.rows(0, list(range(rows)), [0] * rows, list(range(rows)), ds,
-                       SamplingConfig(n=1, top_k=1, max_new_tokens=8), 0)
+                       SamplingConfig(n=1, top_k=1, max_new_tokens=budget), 0)
     agent.close()
     records = [json.loads(t) for t in batch.column("trajectory").to_pylist()]
     right = [first_integer(r["final_answer"]) == e["ground_truth"] for r, e in zip(records, examples, strict=True)]
@@ -153,11 +154,10 @@ def test_the_hidden_digit_task_learns_to_open_the_box(tmp_path) -> None:
     assert looked > 0.9  # the greedy policy looks, and then answers
 
 
-@pytest.mark.skip(reason="measured not to learn the copy: before FORM_CREDIT (hidden digits 0-3, 150-200 steps, lr "
-                  "2e-3/3e-3, budgets 3-8 tokens, entropy_coef 0/0.01) the answer turn never learned to end; with it "
-                  "(digits 0-4, lr 1e-3 and 3e-3) answers became one digit and ended by step ~50, but the digit stayed "
-                  "at chance (score 0.4-0.48, accuracy ~0.1-0.2) and one run collapsed at step 144; the copy needs "
-                  "more work before this can pass")
+@pytest.mark.skip(reason="measured not to learn the copy: every trained policy answers one constant digit whatever the "
+                  "reply (lr 3e-4/1e-3/3e-3, 8 and 32 prompts a step, with and without the form credit, budgets 3-8 "
+                  "tokens, entropy_coef 0/0.01, 250-300 steps); the answer turn alone learns it in ~100 steps "
+                  "(docs/agents.md, 'What it learns'), the whole loop does not yet")
 def test_the_trained_policy_beats_every_policy_that_ignores_the_reply(tmp_path) -> None:
     """The trained policy beats every policy that ignores the tool's reply (at most the commonest digit)."""
     from transformers import AutoModelForCausalLM
@@ -169,5 +169,51 @@ def test_the_trained_policy_beats_every_policy_that_ignores_the_reply(tmp_path) 
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     train(load_config(data=learning_config(model_dir, LEARNING_STEPS)), tmp_path / "run", actor_model=model)
     accuracy, looked_ratio = greedy_accuracy(model, model_dir)
+    bar = best_constant_accuracy(512, 0, MAX_DIGIT)
+    assert looked_ratio > 0.9 and accuracy > max(0.5, 3 * bar), (accuracy, looked_ratio, bar)
+
+
+COPY_STEPS = 150   # measured: the sampled score reaches ~0.75 (of 0.8) by step ~90 and holds to ~170
+CALL_PRIOR = 4.0   # the call token's head starts this many logits up: about half the first tokens call
+
+
+def calling_policy(model_dir: Path, prior: float = CALL_PRIOR) -> torch.nn.Module:
+    """The tiny-agent policy with its head untied (a copy of the embeddings) and the call token `prior`
+    logits up: a policy that already opens the box about half the time, as a pretrained agent would.
+
+    Why: learned from scratch, the look comes first, and every look's credit also reinforces whatever
+    answer followed it, so the answer collapses onto one digit before a copy forms (docs/agents.md).
+    Starting where the policy already looks leaves RL the copy alone, which is this test's claim."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    call = AutoTokenizer.from_pretrained(model_dir).convert_tokens_to_ids(
+        '<tool_call>{"name": "peek", "arguments": {}}</tool_call>')
+    head = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=True)
+    with torch.no_grad():
+        head.weight.copy_(model.get_input_embeddings().weight)
+        head.bias.zero_()
+        head.bias[call] = prior
+    model.lm_head = head
+    return model
+
+
+@pytest.mark.slow
+def test_from_a_policy_that_looks_rl_learns_to_copy_the_reply(tmp_path) -> None:
+    """From a policy that already calls the tool about half the time, GRPO learns to answer with what the
+    tool replied: the greedy policy beats every policy that ignores the reply (at most the commonest digit).
+
+    Two model tokens an episode (the call, then the digit): the answer is its first token, so the reward
+    reaches the digit and nothing after it (docs/agents.md measures what longer answers do)."""
+    from verl_hpc.data.tasks.hidden_digit import best_constant_accuracy
+    from verl_hpc.models.tiny import init_model
+
+    model_dir = init_model(tmp_path / "tiny-agent", preset="tiny-agent")
+    model = calling_policy(model_dir)
+    raw = learning_config(model_dir, COPY_STEPS)
+    raw["trainer"]["actor_optim"] = {"lr": 0.001}
+    raw["algorithm"]["sampling"]["max_new_tokens"] = 2
+    train(load_config(data=raw), tmp_path / "run", actor_model=model)
+    accuracy, looked_ratio = greedy_accuracy(model, model_dir, budget=2)
     bar = best_constant_accuracy(512, 0, MAX_DIGIT)
     assert looked_ratio > 0.9 and accuracy > max(0.5, 3 * bar), (accuracy, looked_ratio, bar)
