@@ -159,3 +159,36 @@ def test_a_worker_that_cannot_come_back_is_skipped_not_waited_for_at_every_episo
         assert lost.reply is None and "unreachable" in lost.error  # none left: the episode fails, counted
     finally:
         runner.close()
+
+
+def test_episodes_already_placed_do_not_wait_for_a_worker_being_started_again() -> None:
+    """A dead worker is started again while a new episode is placed (a remote one may take seconds to
+    reach); the steps and ends of episodes already placed on another worker go on meanwhile."""
+    import threading
+
+    release = threading.Event()
+
+    def start(index: int) -> _FakeLink:
+        if index == 1 and runner_ready.is_set():
+            assert release.wait(30), "never released"
+        return _FakeLink(index)
+
+    runner_ready = threading.Event()
+    runner = ProcessEnvRunner(start, 2, timeout=5.0)
+    runner_ready.set()
+    try:
+        assert runner.reset_all([("placed", 0, {})])[0].reply.text == "worker 0"
+        runner.workers[1].dead = True
+        placing = threading.Thread(target=runner.reset_all, args=([("new", 1, {})],))
+        placing.start()  # its turn is worker 1: started again, blocked until released
+        time.sleep(0.2)
+        step = runner.submit("placed", "go").result(timeout=2)  # not behind the restart
+        assert step.reply.text == "worker 0"
+        runner.finish("placed")
+        assert placing.is_alive()  # the restart was still waiting all along
+        release.set()
+        placing.join(10)
+        assert runner.restarts == 1 and runner.workers[1].alive
+    finally:
+        release.set()
+        runner.close()

@@ -126,11 +126,18 @@ class ProcessEnvRunner:
         return cls(start, num_workers, timeout)
 
     def _worker(self, episode: str) -> WorkerLink:
-        """The episode's worker, chosen in turn when the episode begins."""
-        with self._lock:
-            if episode not in self._home:
-                self._home[episode] = self._pick()
-            return self.workers[self._home[episode]]
+        """The episode's worker, chosen in turn when the episode begins.
+
+        Why the lock only on the first call: choosing may start a dead worker again (up to the
+        reconnect wait of a remote one), and the steps of episodes already placed must not wait
+        for that. Their home is read without it (one dict lookup is atomic in CPython)."""
+        home = self._home.get(episode)
+        if home is None:
+            with self._lock:
+                if episode not in self._home:
+                    self._home[episode] = self._pick()
+                home = self._home[episode]
+        return self.workers[home]
 
     def _pick(self) -> int:
         """The next worker, started again if it died; if it cannot be (tried again after RETRY_AFTER_S,
@@ -188,8 +195,7 @@ class ProcessEnvRunner:
         return self._call(episode, "step", action)
 
     def finish(self, episode: str) -> None:
-        with self._lock:
-            index = self._home.pop(episode, None)
+        index = self._home.pop(episode, None)  # atomic: a restart's lock is not waited for
         if index is not None and self.workers[index].alive:
             self.workers[index].request(next(self._ids), "close", episode, None)
 
