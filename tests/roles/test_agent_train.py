@@ -13,8 +13,8 @@ from verl_hpc.config import ConfigError
 from verl_hpc.config.loader import load_config
 from verl_hpc.launch.train import train
 
-LOOK_STEPS = 40       # measured: the policy opens the box in nearly every episode by then
-LEARNING_STEPS = 400  # the quickstart's length: copying the reply is not yet measured to be learned
+LEARNING_STEPS = 400  # the quickstart's length: the copy is learned by step ~300 (measured)
+BUDGET = 2  # the quickstart's model tokens an episode: the call, then the digit
 MAX_DIGIT = 4  # hidden digits 0..4 (configs/agent_quickstart.yaml's max_operand): a random answer is right 1 in 5
 FLAKY = f"{REPO / 'tests' / 'plugins' / 'agent_flaky.py'}:peek"
 
@@ -123,9 +123,10 @@ def learning_config(model_dir: Path, steps: int) -> dict:
     """configs/agent_quickstart.yaml's training settings."""
     raw = agent_config(model_dir)
     raw["data"]["task"].update(num_prompts=512, max_operand=MAX_DIGIT)
-    raw["algorithm"]["sampling"] = {"n": 8, "max_new_tokens": 8}
+    raw["algorithm"]["sampling"] = {"n": 8, "max_new_tokens": BUDGET}
+    raw["algorithm"]["kl"] = {"estimator": "k3", "coef": 0.2}
     raw["algorithm"]["entropy_coef"] = 0.01
-    raw["trainer"].update(total_steps=steps, batch_size=64, actor_optim={"lr": 0.003})
+    raw["trainer"].update(total_steps=steps, batch_size=64, actor_optim={"lr": 0.001})
     # Each round waits for every reply: the same seed samples the same episodes however loaded the
     # machine is (otherwise the rounds, and so the samples, depend on when replies come in).
     raw["rollout"]["multi_turn"]["deterministic_rounds"] = True
@@ -133,33 +134,16 @@ def learning_config(model_dir: Path, steps: int) -> dict:
 
 
 @pytest.mark.slow
-def test_the_hidden_digit_task_learns_to_open_the_box(tmp_path) -> None:
-    """Measured: a random policy opens the box in ~1 of 8 episodes (0.125 here); soon the sampled
-    episodes all do (step 21), and the greedy policy always does. Each round waits for every reply
-    (`deterministic_rounds`), so the run is the same however loaded the machine is: two runs beside
-    the whole suite gave the same numbers bit for bit, where timing-dependent rounds had made one
-    run in the suite fall back to 0.48 while it passed alone."""
-    from transformers import AutoModelForCausalLM
+def test_the_trained_policy_looks_and_beats_every_policy_that_ignores_the_reply(tmp_path) -> None:
+    """From a random start, the quickstart's settings learn both skills: to open the box (a random policy
+    calls in ~2% of episodes; measured ~97% by step 41) and then to answer with what the tool replied,
+    so the greedy policy beats every policy that ignores the reply (at most the commonest digit, ~23%).
 
-    from verl_hpc.models.tiny import init_model
-
-    model_dir = init_model(tmp_path / "tiny-agent", preset="tiny-agent")
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
-    train(load_config(data=learning_config(model_dir, LOOK_STEPS)), tmp_path / "run", actor_model=model)
-    rows = read_metrics(tmp_path / "run")
-    calls = [r["agent/tool_calls/mean"] for r in rows]
-    assert calls[0] < 0.5 and sum(calls[-5:]) / 5 > 0.8, calls  # measured: 1.0 from step 21 on
-    assert sum(r["critic/score/mean"] for r in rows[-5:]) / 5 > 3 * rows[0]["critic/score/mean"]
-    _, looked = greedy_accuracy(model, model_dir)
-    assert looked > 0.9  # the greedy policy looks, and then answers
-
-
-@pytest.mark.skip(reason="measured not to learn the copy: every trained policy answers one constant digit whatever the "
-                  "reply (lr 3e-4/1e-3/3e-3, 8 and 32 prompts a step, with and without the form credit, budgets 3-8 "
-                  "tokens, entropy_coef 0/0.01, 250-300 steps); the answer turn alone learns it in ~100 steps "
-                  "(docs/agents.md, 'What it learns'), the whole loop does not yet")
-def test_the_trained_policy_beats_every_policy_that_ignores_the_reply(tmp_path) -> None:
-    """The trained policy beats every policy that ignores the tool's reply (at most the commonest digit)."""
+    Measured: the greedy policy answers 100 fresh rows 100% right after 400 steps (the sampled score
+    reaches ~0.77 of 0.8 by step ~300; with another seed ~0.65 by step ~200). Without the KL to the
+    initial policy the answer settles on one digit while the look is learned, and never copies
+    (docs/agents.md). Each round waits for every reply (`deterministic_rounds`), so the run is the
+    same however loaded the machine is."""
     from transformers import AutoModelForCausalLM
 
     from verl_hpc.data.tasks.hidden_digit import best_constant_accuracy
@@ -168,52 +152,8 @@ def test_the_trained_policy_beats_every_policy_that_ignores_the_reply(tmp_path) 
     model_dir = init_model(tmp_path / "tiny-agent", preset="tiny-agent")
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     train(load_config(data=learning_config(model_dir, LEARNING_STEPS)), tmp_path / "run", actor_model=model)
-    accuracy, looked_ratio = greedy_accuracy(model, model_dir)
-    bar = best_constant_accuracy(512, 0, MAX_DIGIT)
-    assert looked_ratio > 0.9 and accuracy > max(0.5, 3 * bar), (accuracy, looked_ratio, bar)
-
-
-COPY_STEPS = 150   # measured: the sampled score reaches ~0.75 (of 0.8) by step ~90 and holds to ~170
-CALL_PRIOR = 4.0   # the call token's head starts this many logits up: about half the first tokens call
-
-
-def calling_policy(model_dir: Path, prior: float = CALL_PRIOR) -> torch.nn.Module:
-    """The tiny-agent policy with its head untied (a copy of the embeddings) and the call token `prior`
-    logits up: a policy that already opens the box about half the time, as a pretrained agent would.
-
-    Why: learned from scratch, the look comes first, and every look's credit also reinforces whatever
-    answer followed it, so the answer collapses onto one digit before a copy forms (docs/agents.md).
-    Starting where the policy already looks leaves RL the copy alone, which is this test's claim."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
-    call = AutoTokenizer.from_pretrained(model_dir).convert_tokens_to_ids(
-        '<tool_call>{"name": "peek", "arguments": {}}</tool_call>')
-    head = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=True)
-    with torch.no_grad():
-        head.weight.copy_(model.get_input_embeddings().weight)
-        head.bias.zero_()
-        head.bias[call] = prior
-    model.lm_head = head
-    return model
-
-
-@pytest.mark.slow
-def test_from_a_policy_that_looks_rl_learns_to_copy_the_reply(tmp_path) -> None:
-    """From a policy that already calls the tool about half the time, GRPO learns to answer with what the
-    tool replied: the greedy policy beats every policy that ignores the reply (at most the commonest digit).
-
-    Two model tokens an episode (the call, then the digit): the answer is its first token, so the reward
-    reaches the digit and nothing after it (docs/agents.md measures what longer answers do)."""
-    from verl_hpc.data.tasks.hidden_digit import best_constant_accuracy
-    from verl_hpc.models.tiny import init_model
-
-    model_dir = init_model(tmp_path / "tiny-agent", preset="tiny-agent")
-    model = calling_policy(model_dir)
-    raw = learning_config(model_dir, COPY_STEPS)
-    raw["trainer"]["actor_optim"] = {"lr": 0.001}
-    raw["algorithm"]["sampling"]["max_new_tokens"] = 2
-    train(load_config(data=raw), tmp_path / "run", actor_model=model)
-    accuracy, looked_ratio = greedy_accuracy(model, model_dir, budget=2)
+    calls = [r["agent/tool_calls/mean"] for r in read_metrics(tmp_path / "run")]
+    assert calls[0] < 0.5 and sum(calls[-5:]) / 5 > 0.8, calls
+    accuracy, looked_ratio = greedy_accuracy(model, model_dir, budget=BUDGET)
     bar = best_constant_accuracy(512, 0, MAX_DIGIT)
     assert looked_ratio > 0.9 and accuracy > max(0.5, 3 * bar), (accuracy, looked_ratio, bar)
