@@ -65,7 +65,13 @@ def test_the_built_in_task_learns_to_copy_the_reply_in_split_placement(tmp_path:
     the bar is the greedy policy at the end, not a smooth curve."""
     from transformers import AutoModelForCausalLM
 
-    from tests.roles.test_agent_train import BUDGET, LEARNING_STEPS, MAX_DIGIT, greedy_accuracy, learning_config
+    from tests.roles.test_agent_train import (
+        BUDGET,
+        LEARNING_STEPS,
+        MAX_DIGIT,
+        greedy_accuracy,
+        learning_config,
+    )
     from verl_hpc.config.loader import load_config
     from verl_hpc.data.tasks.hidden_digit import best_constant_accuracy
     from verl_hpc.launch.train import train
