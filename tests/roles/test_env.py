@@ -197,7 +197,6 @@ def test_worker_processes_hold_episodes_and_answer_in_parallel() -> None:
 
 
 def test_a_killed_worker_fails_its_episodes_only_and_is_started_again() -> None:
-
     runner = _process_runner()
     try:
         kill_a_worker_mid_episode(runner, "died")

@@ -166,14 +166,13 @@ def test_episodes_already_placed_do_not_wait_for_a_worker_being_started_again() 
     reach); the steps and ends of episodes already placed on another worker go on meanwhile."""
     import threading
 
-    release = threading.Event()
+    release, runner_ready = threading.Event(), threading.Event()
 
     def start(index: int) -> _FakeLink:
-        if index == 1 and runner_ready.is_set():
+        if index == 1 and runner_ready.is_set():  # the restart, not the first start
             assert release.wait(30), "never released"
         return _FakeLink(index)
 
-    runner_ready = threading.Event()
     runner = ProcessEnvRunner(start, 2, timeout=5.0)
     runner_ready.set()
     try:
