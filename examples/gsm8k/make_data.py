@@ -13,7 +13,13 @@ answers 78% of the held-out ones right before training, but sampled at temperatu
 GRPO trains, about one in eight: room to learn that the score shows (docs/data.md).
 `--steps 2` writes the two-step problems with verl's step-by-step instruction.
 
-    .venv/bin/python examples/gsm8k/make_data.py [OUT_DIR] [--count N] [--steps 1|2] [--seed S]
+`--tool-shots N` (for configs/smollm2_gsm8k_tools.yaml) solves each of the N earlier problems with
+the calculator instead: the assistant's call, the tool's reply, then the answer. Why six by
+default there: SmolLM2-135M-Instruct copies the hermes call from examples in the context, not from
+the tools' description alone; measured at temperature 1, it opens 0 of 32 episodes with a call
+after two such examples, 9 after four (some malformed), 23 after six.
+
+    .venv/bin/python examples/gsm8k/make_data.py [OUT_DIR] [--count N] [--steps 1|2] [--tool-shots N] [--seed S]
 """
 
 from __future__ import annotations
@@ -48,32 +54,48 @@ def make_problems(count: int, seed: int = 0, steps: int = 2) -> list[tuple[str, 
     return out
 
 
-def chat(question: str, steps: int, shots: list[tuple[str, str, int]]) -> list[dict[str, str]]:
-    """The prompt's messages: one-step questions after solved ones; two-step ones with verl's instruction."""
+def solved_with_calculator(question: str, answer: str, total: int) -> list[dict]:
+    """A one-step problem solved through the calculator: the call, its reply, the answer."""
+    expression = answer.split(" = ")[0]
+    call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": expression}}}
+    return [{"role": "user", "content": question}, {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "content": str(total)}, {"role": "assistant", "content": f"{answer}"}]
+
+
+def chat(question: str, steps: int, shots: list[tuple[str, str, int]], tools: bool = False) -> list[dict]:
+    """The prompt's messages: one-step questions after solved ones (through the calculator when
+    `tools`); two-step ones with verl's instruction."""
     if steps == 2:
         return [{"role": "user", "content": f"{question} {STEP_BY_STEP}"}]
-    solved = [[{"role": "user", "content": q}, {"role": "assistant", "content": a}] for q, a, _ in shots]
-    return [*(m for pair in solved for m in pair), {"role": "user", "content": question}]
+    if tools:
+        solved = [solved_with_calculator(q, a, n) for q, a, n in shots]
+    else:
+        solved = [[{"role": "user", "content": q}, {"role": "assistant", "content": a}] for q, a, _ in shots]
+    return [*(m for turn in solved for m in turn), {"role": "user", "content": question}]
 
 
-def rows(count: int, split: str = "train", steps: int = 2, seed: int = 0) -> list[dict]:
+def rows(count: int, split: str = "train", steps: int = 2, seed: int = 0, tool_shots: int = 0) -> list[dict]:
+    if tool_shots:
+        steps = 1  # the calculator examples are one-step problems
+    shots = tool_shots or SHOTS
     problems = make_problems(count, seed, steps)
-    examples = make_problems(SHOTS * count, seed + 1000, steps)  # other problems, solved
+    examples = make_problems(shots * count, seed + 1000, steps)  # other problems, solved
     return [{"data_source": "openai/gsm8k",
-             "prompt": chat(q, steps, examples[SHOTS * i:SHOTS * (i + 1)]),
+             "prompt": chat(q, steps, examples[shots * i:shots * (i + 1)], tools=bool(tool_shots)),
              "ability": "math",
              "reward_model": {"style": "rule", "ground_truth": str(n)},
              "extra_info": {"split": split, "index": i, "answer": a, "question": q}}
             for i, (q, a, n) in enumerate(problems)]
 
 
-def write(out_dir: Path, count: int = 16, steps: int = 2, seed: int = 0, name: str = "train") -> Path:
+def write(out_dir: Path, count: int = 16, steps: int = 2, seed: int = 0, name: str = "train",
+          tool_shots: int = 0) -> Path:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{name}.parquet"
-    pq.write_table(pa.Table.from_pylist(rows(count, name, steps, seed)), path)
+    pq.write_table(pa.Table.from_pylist(rows(count, name, steps, seed, tool_shots)), path)
     return path
 
 
@@ -84,11 +106,13 @@ def main() -> None:
                         "64 more is written beside them)")
     parser.add_argument("--steps", type=int, choices=(1, 2), default=1, help="1: one-step problems, a bare number "
                         "as the answer (the worked example); 2: two-step, verl's step-by-step instruction")
+    parser.add_argument("--tool-shots", type=int, default=0, help="solve this many earlier one-step problems "
+                        "with calculator calls in each prompt (configs/smollm2_gsm8k_tools.yaml: 6)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     out = Path(args.out_dir)
-    print(write(out, args.count, args.steps, args.seed))
-    print(write(out, 64, args.steps, args.seed + 1, name="test"))
+    print(write(out, args.count, args.steps, args.seed, tool_shots=args.tool_shots))
+    print(write(out, 64, args.steps, args.seed + 1, name="test", tool_shots=args.tool_shots))
 
 
 if __name__ == "__main__":

@@ -49,6 +49,35 @@ def test_nested_answer_and_extra_info_by_default(tmp_path: Path) -> None:
     assert ds.answers == ["7"] and ds.data_sources == ["x"] and json.loads(ds.extra_infos[0]) == {"index": 3}
 
 
+def test_earlier_tool_calls_in_a_prompt_survive_parquet_and_render(tmp_path: Path) -> None:
+    """A prompt that shows worked calculator calls keeps them (Parquet fills missing keys with
+    nulls, which are dropped), and the hermes template renders each call as written."""
+    from transformers import AutoTokenizer
+
+    from tests.conftest import REPO, load_module
+    from verl_hpc.models.tiny import init_model
+
+    path = load_module(REPO / "examples" / "gsm8k" / "make_data.py").write(tmp_path / "g", count=2, tool_shots=2)
+    prompt = PromptDataset([path]).prompts[0]
+    assert [m["role"] for m in prompt] == ["user", "assistant", "tool", "assistant"] * 2 + ["user"]
+    call = prompt[1]["tool_calls"][0]["function"]
+    assert call["name"] == "calculator" and set(call["arguments"]) == {"expression"}
+    assert all(set(m) == {"role", "content"} for m in prompt if "tool_calls" not in m)  # no null keys added
+    assert all(m["role"] == "assistant" and m["content"] == "" for m in prompt if "tool_calls" in m)
+    tokenizer = AutoTokenizer.from_pretrained(init_model(tmp_path / "m", preset="tiny-agent"))
+    text = tokenizer.apply_chat_template(prompt, chat_template=(REPO / "configs" / "hermes_chatml.jinja").read_text(),
+                                         tokenize=False, add_generation_prompt=True)
+    assert text.count('{"name": "calculator", "arguments": {"expression": ') == 2
+
+
+def test_a_message_without_content_needs_tool_calls(tmp_path: Path) -> None:
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"prompt": [{"role": "user", "content": "2+3?"},
+                                           {"role": "assistant", "content": None}], "ground_truth": "5"}) + "\n")
+    with pytest.raises(Exception, match="message 1 .* not \\{role, content\\} strings"):
+        PromptDataset([path])
+
+
 def test_truncation_sides() -> None:
     ids = [[1, 2, 3, 4], [5]]
     assert fit_lengths(ids, 2, "left", ["a", "b"], "f") == [[3, 4], [5]]

@@ -167,7 +167,7 @@ class PromptDataset:
     def __init__(self, files: list[str | Path], prompt_key: str = "prompt", answer_key: str | None = None,
                  data_source_key: str = "data_source", extra_info_key: str = "extra_info",
                  require_answer: bool = False):
-        self.prompts: list[str | list[dict[str, str]]] = []
+        self.prompts: list[str | list[dict[str, Any]]] = []
         self.answers: list[str | None] = []  # as text, for logs and `fn(prompt, response, ground_truth)`
         self.ground_truths: list[Any] = []  # as the file holds them (str, list, dict, ...), for verl's compute_score
         self.data_sources: list[str | None] = []

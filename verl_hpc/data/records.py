@@ -69,8 +69,16 @@ def is_prompt_type(kind: pa.DataType) -> bool:
     return (pa.types.is_list(kind) or pa.types.is_large_list(kind)) and pa.types.is_struct(kind.value_type)
 
 
-def check_prompt(value: Any, where: str, field: str) -> str | list[dict[str, str]]:
-    """A prompt as text or as chat messages; anything else is a RowError naming `where`."""
+CALL_KEYS = ("tool_calls", "tool_call_id", "name")  # kept on a prompt's messages: earlier calls render as written
+
+
+def check_prompt(value: Any, where: str, field: str) -> str | list[dict[str, Any]]:
+    """A prompt as text or as chat messages; anything else is a RowError naming `where`.
+
+    Why tool calls are kept: a prompt may show the model earlier calls and their replies (worked
+    examples, or a conversation to go on from); the multi-turn template renders them from these
+    keys, and a small model copies the call's form from them (examples/gsm8k --tool-shots).
+    """
     hint = "give text, or a list of {role, content} messages (verl's `prompt` column)"
     if value is None:
         raise RowError(field, f"{where}: the prompt is missing (null)", hint)
@@ -84,13 +92,15 @@ def check_prompt(value: Any, where: str, field: str) -> str | list[dict[str, str
     if not value:
         raise RowError(field, f"{where}: the prompt is empty (no messages)", "drop the row or add a message")
     for k, message in enumerate(value):
+        calls = message.get("tool_calls") if isinstance(message, dict) else None
         if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
-                or not isinstance(message.get("content"), str):
+                or not (isinstance(message.get("content"), str) or (calls and message.get("content") is None)):
             raise RowError(field, f"{where}: message {k} is {message!r:.60}, not {{role, content}} strings", hint)
-    if not any(m["content"].strip() for m in value):
+    if not any((m["content"] or "").strip() for m in value):
         raise RowError(field, f"{where}: the prompt is empty (every message's content is blank)",
                        "drop the row or write a prompt")
-    return [{"role": m["role"], "content": m["content"]} for m in value]
+    return [{"role": m["role"], "content": m["content"] or "",
+             **{key: m[key] for key in CALL_KEYS if m.get(key) is not None}} for m in value]
 
 
 def answer_text(value: Any) -> str | None:
@@ -114,7 +124,7 @@ def info_text(value: Any) -> str | None:
     return None if value is None else json.dumps(value, default=str)
 
 
-def render_prompts(tokenizer: Any, prompts: list[str | list[dict[str, str]]], where: list[str],
+def render_prompts(tokenizer: Any, prompts: list[str | list[dict[str, Any]]], where: list[str],
                    field: str) -> list[str]:
     """Text as is; messages through the tokenizer's chat template (`add_generation_prompt=True`)."""
     chat = [i for i, p in enumerate(prompts) if not isinstance(p, str)]
