@@ -26,6 +26,7 @@ first step of each run is a warm-up and is dropped.
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import shutil
 import statistics
@@ -156,8 +157,6 @@ class TokenFloor:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.checkpointing = checkpointing
         if ref and self.ref is None:
-            import copy
-
             self.ref = copy.deepcopy(self.model).eval()
 
     def step(self, prompt_ids: list[list[int]], new_tokens: int) -> float:

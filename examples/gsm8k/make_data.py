@@ -59,7 +59,7 @@ def solved_with_calculator(question: str, answer: str, total: int) -> list[dict]
     expression = answer.split(" = ")[0]
     call = {"type": "function", "function": {"name": "calculator", "arguments": {"expression": expression}}}
     return [{"role": "user", "content": question}, {"role": "assistant", "content": "", "tool_calls": [call]},
-            {"role": "tool", "content": str(total)}, {"role": "assistant", "content": f"{answer}"}]
+            {"role": "tool", "content": str(total)}, {"role": "assistant", "content": answer}]
 
 
 def chat(question: str, steps: int, shots: list[tuple[str, str, int]], tools: bool = False) -> list[dict]:

@@ -9,7 +9,7 @@ import pyarrow as pa
 import pytest
 
 from verl_hpc.data.prompts import PromptDataset
-from verl_hpc.data.records import fit_lengths
+from verl_hpc.data.records import RowError, fit_lengths
 from verl_hpc.data.rollout_batch import RolloutBatch
 from verl_hpc.roles.reward import RuleReward
 
@@ -74,7 +74,7 @@ def test_a_message_without_content_needs_tool_calls(tmp_path: Path) -> None:
     path = tmp_path / "p.jsonl"
     path.write_text(json.dumps({"prompt": [{"role": "user", "content": "2+3?"},
                                            {"role": "assistant", "content": None}], "ground_truth": "5"}) + "\n")
-    with pytest.raises(Exception, match="message 1 .* not \\{role, content\\} strings"):
+    with pytest.raises(RowError, match="message 1 .* not \\{role, content\\} strings"):
         PromptDataset([path])
 
 
