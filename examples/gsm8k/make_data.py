@@ -74,9 +74,13 @@ def chat(question: str, steps: int, shots: list[tuple[str, str, int]], tools: bo
     return [*(m for turn in solved for m in turn), {"role": "user", "content": question}]
 
 
-def rows(count: int, split: str = "train", steps: int = 2, seed: int = 0, tool_shots: int = 0) -> list[dict]:
-    if tool_shots:
-        steps = 1  # the calculator examples are one-step problems
+def rows(count: int, split: str = "train", steps: int | None = None, seed: int = 0,
+         tool_shots: int = 0) -> list[dict]:
+    """`steps` None: one-step problems with `tool_shots` (the calculator examples are one-step), else two."""
+    if tool_shots and steps == 2:
+        raise ValueError("--tool-shots writes one-step problems (each worked example is one calculator call): "
+                         "use --steps 1 or leave --steps out")
+    steps = steps or (1 if tool_shots else 2)
     shots = tool_shots or SHOTS
     problems = make_problems(count, seed, steps)
     examples = make_problems(shots * count, seed + 1000, steps)  # other problems, solved
@@ -88,7 +92,7 @@ def rows(count: int, split: str = "train", steps: int = 2, seed: int = 0, tool_s
             for i, (q, a, n) in enumerate(problems)]
 
 
-def write(out_dir: Path, count: int = 16, steps: int = 2, seed: int = 0, name: str = "train",
+def write(out_dir: Path, count: int = 16, steps: int | None = None, seed: int = 0, name: str = "train",
           tool_shots: int = 0) -> Path:
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -104,12 +108,17 @@ def main() -> None:
     parser.add_argument("out_dir", nargs="?", default="data/gsm8k")
     parser.add_argument("--count", type=int, default=256, help="training problems (a held-out test.parquet of "
                         "64 more is written beside them)")
-    parser.add_argument("--steps", type=int, choices=(1, 2), default=1, help="1: one-step problems, a bare number "
-                        "as the answer (the worked example); 2: two-step, verl's step-by-step instruction")
+    parser.add_argument("--steps", type=int, choices=(1, 2), default=None, help="1 (the default): one-step "
+                        "problems, a bare number as the answer (the worked example); 2: two-step, verl's "
+                        "step-by-step instruction (not with --tool-shots)")
     parser.add_argument("--tool-shots", type=int, default=0, help="solve this many earlier one-step problems "
                         "with calculator calls in each prompt (configs/smollm2_gsm8k_tools.yaml: 6)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    if args.tool_shots and args.steps == 2:
+        parser.error("--tool-shots writes one-step problems (each worked example is one calculator call): "
+                     "use --steps 1 or leave --steps out")
+    args.steps = args.steps or 1
     out = Path(args.out_dir)
     print(write(out, args.count, args.steps, args.seed, tool_shots=args.tool_shots))
     print(write(out, 64, args.steps, args.seed + 1, name="test", tool_shots=args.tool_shots))

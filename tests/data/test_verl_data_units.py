@@ -70,6 +70,25 @@ def test_earlier_tool_calls_in_a_prompt_survive_parquet_and_render(tmp_path: Pat
     assert text.count('{"name": "calculator", "arguments": {"expression": ') == 2
 
 
+def test_worked_calculator_calls_are_one_step_problems_and_two_steps_are_refused(tmp_path: Path) -> None:
+    """The worked examples are one calculator call each: `--tool-shots` writes one-step problems
+    and refuses `--steps 2` by name instead of quietly writing one-step ones."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO, load_module
+
+    script = REPO / "examples" / "gsm8k" / "make_data.py"
+    rows = load_module(script).rows(2, tool_shots=1)
+    assert all(row["extra_info"]["answer"].count("=") == 1 for row in rows)  # one step: `a + b = c. #### c`
+    with pytest.raises(ValueError, match="--tool-shots writes one-step problems"):
+        load_module(script).rows(2, steps=2, tool_shots=1)
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path), "--tool-shots", "2", "--steps", "2"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "use --steps 1 or leave --steps out" in proc.stderr
+    assert not list(tmp_path.iterdir())
+
+
 def test_a_message_without_content_needs_tool_calls(tmp_path: Path) -> None:
     path = tmp_path / "p.jsonl"
     path.write_text(json.dumps({"prompt": [{"role": "user", "content": "2+3?"},

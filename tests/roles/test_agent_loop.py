@@ -28,6 +28,11 @@ class Recording:
     def __init__(self, inner):
         self.inner, self.seen, self.calls = inner, Counter(), []
 
+    def __getattr__(self, name):  # the engine's other parts as they are: the HF engine's episode cache
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
     def generate(self, prompt_ids, sampling, stop_token_ids=(), max_tokens=None):
         out = self.inner.generate(prompt_ids, sampling, stop_token_ids=stop_token_ids, max_tokens=max_tokens)
         self.calls.append(len(prompt_ids))
@@ -131,6 +136,8 @@ def test_hf_engine_token_fidelity_and_logprobs(agent_dir) -> None:
     assert multi_turn <= 2 * single_turn + 1e-6 and multi_turn < 1e-4, (multi_turn, single_turn)
     metrics = agent.metrics()
     assert metrics["agent/num_turns/max"] >= 2 and metrics["agent/tool_calls/mean"] > 0
+    # the later turns read their episode's earlier tokens from its kept cache, not a new prefill
+    assert recording.inner.prefill_counts["reused"] > 0
     agent.close()
 
 

@@ -230,3 +230,50 @@ def test_sampled_logprobs_step_by_step_equal_the_stacked_formula_bit_for_bit() -
     given = list(steps)
     assert torch.equal(_sampled_logprobs(given, tokens, 5, 0.7), expected)
     assert given == [None] * 9  # each step's logits dropped once used
+
+
+def test_a_kept_episode_cache_samples_what_a_fresh_prefill_does(tiny, prompts):
+    """A second turn read from each row's kept cache (hf_prefix.py) samples the same ids with the same
+    logprobs as the same call prefilling everything: rows stopped at different lengths, ragged
+    inserted ids, and one prompt that extends no kept row, in one batch."""
+    model, tokenizer = tiny
+    engine = HFRolloutEngine(model, tokenizer)
+    sampling = SamplingConfig(n=1, max_new_tokens=8)
+    inserted = torch.Generator().manual_seed(1)
+    with engine.episode_cache() as store:
+        torch.manual_seed(0)
+        first = engine.generate(prompts, sampling, max_tokens=[3, 8, 5, 8, 2, 8])
+        assert len(store.rows) == len(prompts)
+        contexts = [p + r + torch.randint(5, 60, (k,), generator=inserted).tolist()
+                    for p, r, k in zip(prompts, first.response_ids, [1, 4, 7, 2, 3, 5], strict=True)]
+        contexts.append(prompts[2][:-1])  # begins a kept row, but no kept row begins it: a fresh prefill
+        torch.manual_seed(5)
+        kept = engine.generate(contexts, sampling)
+        reused = store.reused_tokens
+    assert reused == sum(len(p) + len(r) for p, r in zip(prompts, first.response_ids, strict=True)) - \
+        sum(1 for r in first.response_ids if len(r) == 8)  # a row's last sampled token was never read
+    torch.manual_seed(5)
+    fresh = engine.generate(contexts, sampling)  # outside `episode_cache()`: nothing kept
+    assert kept.response_ids == fresh.response_ids
+    for a, b in zip(kept.logprobs, fresh.logprobs, strict=True):
+        assert a == pytest.approx(b, abs=1e-5)
+    assert engine.prefill_counts["reused"] == reused and engine._kept is None
+
+
+def test_kept_rows_are_used_once_longest_first_and_dropped_with_new_weights(tiny, prompts):
+    from verl_hpc.roles.rollout.hf_prefix import KeptRow, PrefixStore
+
+    store = PrefixStore()
+    short, long = KeptRow([1, 2], [], []), KeptRow([1, 2, 3], [], [])
+    store.rows += [short, long]
+    assert store.take([1, 2, 3]) is short  # a row must leave at least one token to feed
+    assert store.take([1, 2, 3, 4]) is long and store.take([1, 2, 3, 4]) is None  # each used once
+    assert store.take([9, 2, 3]) is None
+
+    model, tokenizer = tiny
+    engine = HFRolloutEngine(model, tokenizer)
+    with engine.episode_cache() as kept:
+        engine.generate(prompts[:2], SamplingConfig(n=1, max_new_tokens=3))
+        assert len(kept.rows) == 2
+        engine.load_weights([(n, p.detach().clone()) for n, p in model.named_parameters()], version=1)
+        assert kept.rows == []  # a cache from other weights is not this policy's

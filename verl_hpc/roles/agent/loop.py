@@ -16,6 +16,7 @@ or the parser's tool-call end tag, each episode with its remaining budget of mod
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import logging
 import time
 from collections.abc import Sequence
@@ -43,6 +44,16 @@ def end_tag_ids(tokenizer: Any, tags: Sequence[str]) -> list[int]:
             if token.endswith(tag) and int(token_id) not in ids:
                 ids.append(int(token_id))
     return ids
+
+
+def _kept_between_turns(engine: Any) -> contextlib.AbstractContextManager:
+    """The engine's per-episode KV cache for the rounds of one step (HF: `episode_cache()`), if it has one.
+
+    Why: a turn's context is its episode's last context plus the turn and the inserted reply;
+    with the cache kept, a round prefills only those instead of every episode's whole context.
+    """
+    keep = getattr(engine, "episode_cache", None)
+    return keep() if callable(keep) else contextlib.nullcontext()
 
 
 class AgentLoop:
@@ -94,7 +105,8 @@ class AgentLoop:
         if takes_requests(self.engine):  # vLLM: each turn joins the running batch when its episode is ready
             run_continuous(self, episodes, sampling, version)
         else:
-            self.run_rounds(episodes, sampling, version)
+            with _kept_between_turns(self.engine):
+                self.run_rounds(episodes, sampling, version)
         for episode in episodes:
             self.finish(episode)
         return episodes

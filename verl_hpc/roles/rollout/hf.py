@@ -7,13 +7,15 @@ and exact; in split placement it holds its own copy and `load_weights` copies in
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import contextlib
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
 from verl_hpc.config import SamplingConfig
 from verl_hpc.roles.forward import exclude_padding, unsampled_token
 from verl_hpc.roles.rollout.base import Generation, stop_token_ids
+from verl_hpc.roles.rollout.hf_prefix import PrefixBatch, PrefixStore
 from verl_hpc.transport.weights.flat import flatten_params, same_memory
 
 
@@ -25,6 +27,8 @@ class HFRolloutEngine:
         self.pad_id = tokenizer.pad_token_id
         self.eos_ids = stop_token_ids(tokenizer, model=model)
         self.policy_version = 0
+        self._kept: PrefixStore | None = None  # set inside `episode_cache()`
+        self.prefill_counts = {"reused": 0, "fed": 0}  # context tokens read from kept caches / prefilled
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], sampling: SamplingConfig,
@@ -33,14 +37,12 @@ class HFRolloutEngine:
         its end-of-turn or tool-call end tag. `max_tokens`: each prompt's own token limit (an
         episode's remaining budget); the batch samples up to the largest and cuts the others, which
         is the same distribution as stopping them there (later tokens never influence earlier ones)."""
-        width = max(len(p) for p in prompt_ids)
         stops = [*self.eos_ids, *(int(t) for t in stop_token_ids if int(t) not in self.eos_ids)]
         limit = max(max_tokens) if max_tokens else sampling.max_new_tokens
-        input_ids = torch.full((len(prompt_ids), width), self.pad_id, dtype=torch.long)
-        attention = torch.zeros_like(input_ids)
-        for row, ids in enumerate(prompt_ids):
-            input_ids[row, width - len(ids):] = torch.as_tensor(ids)
-            attention[row, width - len(ids):] = 1
+        store = self._kept
+        batch = store.assemble(prompt_ids, self.pad_id) if store is not None else _left_padded(prompt_ids, self.pad_id)
+        input_ids, attention = batch.input_ids, batch.attention
+        width = input_ids.shape[1]
         # HF pads a row that hit a stop string with pad tokens until the batch ends; record
         # where each row stopped so those never-sampled pads are cut like tokens after EOS.
         stopper = _StopStringLengths(self.tokenizer, sampling.stop, width, len(prompt_ids)) \
@@ -56,17 +58,37 @@ class HFRolloutEngine:
             # consumer that strips padding (reward models, the trainer's masks).
             suppress_tokens=[unsampled_token(self.model)] if unsampled_token(self.model) is not None else None,
             stopping_criteria=[stopper] if stopper else None,
+            **({"past_key_values": batch.cache, "use_cache": True} if store is not None else {}),
         )
         self.model.train(was_training)
         tokens = out.sequences[:, width:].cpu()
         step_logits = list(out.logits)
+        cache = out.past_key_values if store is not None else None  # what the store keeps of this call
         del out
         logprobs = _sampled_logprobs(step_logits, tokens, unsampled_token(self.model), sampling.temperature)
         out_rows = _trim(tokens, logprobs, stops, stopper.lengths if stopper else None)
         if max_tokens:
             out_rows = Generation([r[:n] for r, n in zip(out_rows.response_ids, max_tokens, strict=True)],
                                   [r[:n] for r, n in zip(out_rows.logprobs, max_tokens, strict=True)])
+        if store is not None:
+            store.keep(cache, batch, prompt_ids, out_rows.response_ids)  # type: ignore[arg-type]
         return out_rows
+
+    @contextlib.contextmanager
+    def episode_cache(self) -> Iterator[PrefixStore]:
+        """Within it, each row's KV cache is kept for the next call's prompt that extends it (hf_prefix.py).
+
+        The agent loop holds one around a step's episodes: a turn then prefills only the
+        reply inserted since its episode's last turn. Everything kept is dropped on leaving and
+        when weights change (a cache from other weights is not this policy's).
+        """
+        self._kept = PrefixStore()
+        try:
+            yield self._kept
+        finally:
+            self.prefill_counts["reused"] += self._kept.reused_tokens
+            self.prefill_counts["fed"] += self._kept.fed_tokens
+            self._kept = None
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         params = dict(self.model.named_parameters())
@@ -75,6 +97,8 @@ class HFRolloutEngine:
                 if not same_memory(params[name], tensor):  # a sync received into `weight_buffer` is in place
                     params[name].copy_(tensor)
         self.policy_version = version
+        if self._kept is not None:
+            self._kept.rows.clear()
 
     def weight_buffer(self) -> torch.Tensor | None:
         """This engine's weights as one flat float32 buffer a split sync receives into (None: not fp32).
@@ -90,11 +114,22 @@ class HFRolloutEngine:
     def close(self) -> None:
         pass
 
-    def sleep(self) -> None:  # nothing to release: HF generate keeps no cache between calls
+    def sleep(self) -> None:  # nothing to release: a kept episode cache lives only inside `episode_cache()`
         pass
 
     def wake_up(self) -> None:
         pass
+
+
+def _left_padded(prompt_ids: list[list[int]], pad_id: int) -> PrefixBatch:
+    """Prompts right-aligned behind masked pads, nothing cached: every call outside `episode_cache()`."""
+    width = max(len(p) for p in prompt_ids)
+    input_ids = torch.full((len(prompt_ids), width), pad_id, dtype=torch.long)
+    attention = torch.zeros_like(input_ids)
+    for row, ids in enumerate(prompt_ids):
+        input_ids[row, width - len(ids):] = torch.as_tensor(ids)
+        attention[row, width - len(ids):] = 1
+    return PrefixBatch(input_ids, attention, None, [0] * len(prompt_ids), [len(p) for p in prompt_ids], 0)
 
 
 class _StopStringLengths:
