@@ -106,18 +106,20 @@ class PrefixStore:
         if not keepable(cache):
             return
         layers = cache.layers  # type: ignore[attr-defined]
-        total = layers[0].keys.shape[2]
         start_new = batch.cached_width
         start_gen = start_new + max(batch.new_lengths)
-        read = total - start_gen  # generated tokens the model read
-        for row, (prompt, response) in enumerate(zip(prompts, responses, strict=True)):
-            n, m = batch.kept_lengths[row], batch.new_lengths[row]
-            seen = min(len(response), read)
-            columns = torch.cat([torch.arange(start_new - n, start_new), torch.arange(start_gen - m, start_gen),
-                                 torch.arange(start_gen, start_gen + seen)]).to(layers[0].keys.device)
-            self.rows.append(KeptRow([*prompt, *response[:seen]],
-                                     [layer.keys[row].index_select(1, columns) for layer in layers],
-                                     [layer.values[row].index_select(1, columns) for layer in layers]))
+        read = layers[0].keys.shape[2] - start_gen  # generated tokens the model read
+        seen = [min(len(r), read) for r in responses]
+        columns = [torch.cat([torch.arange(start_new - n, start_new), torch.arange(start_gen - m, start_gen),
+                              torch.arange(start_gen, start_gen + k)]).to(layers[0].keys.device)
+                   for n, m, k in zip(batch.kept_lengths, batch.new_lengths, seen, strict=True)]
+        kept = [KeptRow([*p, *r[:k]], [], []) for p, r, k in zip(prompts, responses, seen, strict=True)]
+        for layer in layers:  # a layer at a time, each freed once copied: never two whole caches at once
+            for row, (cols, out) in enumerate(zip(columns, kept, strict=True)):
+                out.keys.append(layer.keys[row].index_select(1, cols))
+                out.values.append(layer.values[row].index_select(1, cols))
+            layer.keys = layer.values = None  # the call's cache is not read again
+        self.rows.extend(kept)
 
 
 def _right_aligned_cache(kept: list[KeptRow | None], width: int) -> object:
@@ -136,6 +138,6 @@ def _right_aligned_cache(kept: list[KeptRow | None], width: int) -> object:
                 n = len(k.ids)
                 keys[row, :, width - n:] = k.keys[layer]
                 values[row, :, width - n:] = k.values[layer]
-                k.keys[layer] = k.values[layer] = None  # type: ignore[call-overload]  # freed as copied
+                k.keys[layer] = k.values[layer] = None  # type: ignore[assignment]  # freed once copied
         data.append((keys, values))
     return DynamicCache(ddp_cache_data=data)
