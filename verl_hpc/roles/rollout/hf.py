@@ -15,7 +15,7 @@ import torch
 from verl_hpc.config import SamplingConfig
 from verl_hpc.roles.forward import exclude_padding, unsampled_token
 from verl_hpc.roles.rollout.base import Generation, stop_token_ids
-from verl_hpc.roles.rollout.hf_prefix import PrefixBatch, PrefixStore
+from verl_hpc.roles.rollout.hf_prefix import PrefixStore, prefix_batch
 from verl_hpc.transport.weights.flat import flatten_params, same_memory
 
 
@@ -40,7 +40,8 @@ class HFRolloutEngine:
         stops = [*self.eos_ids, *(int(t) for t in stop_token_ids if int(t) not in self.eos_ids)]
         limit = max(max_tokens) if max_tokens else sampling.max_new_tokens
         store = self._kept
-        batch = store.assemble(prompt_ids, self.pad_id) if store is not None else _left_padded(prompt_ids, self.pad_id)
+        batch = store.assemble(prompt_ids, self.pad_id) if store is not None \
+            else prefix_batch(prompt_ids, [None] * len(prompt_ids), self.pad_id)
         input_ids, attention = batch.input_ids, batch.attention
         width = input_ids.shape[1]
         # HF pads a row that hit a stop string with pad tokens until the batch ends; record
@@ -119,17 +120,6 @@ class HFRolloutEngine:
 
     def wake_up(self) -> None:
         pass
-
-
-def _left_padded(prompt_ids: list[list[int]], pad_id: int) -> PrefixBatch:
-    """Prompts right-aligned behind masked pads, nothing cached: every call outside `episode_cache()`."""
-    width = max(len(p) for p in prompt_ids)
-    input_ids = torch.full((len(prompt_ids), width), pad_id, dtype=torch.long)
-    attention = torch.zeros_like(input_ids)
-    for row, ids in enumerate(prompt_ids):
-        input_ids[row, width - len(ids):] = torch.as_tensor(ids)
-        attention[row, width - len(ids):] = 1
-    return PrefixBatch(input_ids, attention, None, [0] * len(prompt_ids), [len(p) for p in prompt_ids], 0)
 
 
 class _StopStringLengths:

@@ -78,21 +78,10 @@ class PrefixStore:
 
     def assemble(self, prompts: list[list[int]], pad_id: int) -> PrefixBatch:
         """The call's inputs: kept rows for the prompts that extend one, a fresh prefill for the rest."""
-        kept = [self.take(p) for p in prompts]
-        kept_lengths = [0 if k is None else len(k.ids) for k in kept]
-        new_lengths = [len(p) - n for p, n in zip(prompts, kept_lengths, strict=True)]
-        cached, width = max(kept_lengths), max(new_lengths)
-        self.reused_tokens += sum(kept_lengths)
-        self.fed_tokens += sum(new_lengths)
-        input_ids = torch.full((len(prompts), cached + width), pad_id, dtype=torch.long)
-        attention = torch.zeros_like(input_ids)
-        for row, (prompt, n, m) in enumerate(zip(prompts, kept_lengths, new_lengths, strict=True)):
-            input_ids[row, cached - n:cached] = torch.as_tensor(prompt[:n], dtype=torch.long)
-            attention[row, cached - n:cached] = 1
-            input_ids[row, cached + width - m:] = torch.as_tensor(prompt[n:], dtype=torch.long)
-            attention[row, cached + width - m:] = 1
-        cache = _right_aligned_cache(kept, cached) if cached else None
-        return PrefixBatch(input_ids, attention, cache, kept_lengths, new_lengths, cached)
+        batch = prefix_batch(prompts, [self.take(p) for p in prompts], pad_id)
+        self.reused_tokens += sum(batch.kept_lengths)
+        self.fed_tokens += sum(batch.new_lengths)
+        return batch
 
     def keep(self, cache: object, batch: PrefixBatch, prompts: list[list[int]],
              responses: list[list[int]]) -> None:
@@ -120,6 +109,23 @@ class PrefixStore:
                 out.values.append(layer.values[row].index_select(1, cols))
             layer.keys = layer.values = None  # the call's cache is not read again
         self.rows.extend(kept)
+
+
+def prefix_batch(prompts: list[list[int]], kept: list[KeptRow | None], pad_id: int) -> PrefixBatch:
+    """Each prompt as `[pad | its kept row's ids | gap | the rest]`, pads and gap masked; with nothing
+    kept that is plain left padding, the layout of every call outside `episode_cache()`."""
+    kept_lengths = [0 if k is None else len(k.ids) for k in kept]
+    new_lengths = [len(p) - n for p, n in zip(prompts, kept_lengths, strict=True)]
+    cached, width = max(kept_lengths), max(new_lengths)
+    input_ids = torch.full((len(prompts), cached + width), pad_id, dtype=torch.long)
+    attention = torch.zeros_like(input_ids)
+    for row, (prompt, n, m) in enumerate(zip(prompts, kept_lengths, new_lengths, strict=True)):
+        input_ids[row, cached - n:cached] = torch.as_tensor(prompt[:n], dtype=torch.long)
+        attention[row, cached - n:cached] = 1
+        input_ids[row, cached + width - m:] = torch.as_tensor(prompt[n:], dtype=torch.long)
+        attention[row, cached + width - m:] = 1
+    cache = _right_aligned_cache(kept, cached) if cached else None
+    return PrefixBatch(input_ids, attention, cache, kept_lengths, new_lengths, cached)
 
 
 def _right_aligned_cache(kept: list[KeptRow | None], width: int) -> object:
