@@ -77,4 +77,17 @@ if [ "$WANT_VLLM" = 1 ] && ! has_gpu; then
     "$VENV/bin/python" -c "import vllm" || { echo "[install] import vllm failed" >&2; exit 1; }
   fi
 fi
+# TCMalloc (a system library, not a wheel): CPU runs preload it when it is installed, for a lower memory
+# peak (resources.host_allocator, docs/memory.md). Installed here as root with apt; otherwise one hint.
+if ! "$VENV/bin/python" -c "import sys; from verl_hpc.utils.allocator import find_tcmalloc, library_dirs; \
+sys.exit(find_tcmalloc(library_dirs([sys.prefix])) is None)" 2>/dev/null; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "[install] installing libtcmalloc-minimal4 (the CPU runs' allocator)"
+    tc_pkg=(apt-get install -y -q --no-install-recommends libtcmalloc-minimal4)
+    { DEBIAN_FRONTEND=noninteractive "${tc_pkg[@]}" || { apt-get update -q && DEBIAN_FRONTEND=noninteractive "${tc_pkg[@]}"; }; } \
+      >/dev/null 2>&1 || echo "[install] could not install libtcmalloc-minimal4; CPU runs use glibc's malloc" >&2
+  else
+    echo "[install] optional: sudo apt-get install libtcmalloc-minimal4 (dnf: gperftools-libs) lowers a CPU run's memory peak"
+  fi
+fi
 echo "[install] done: $("$VENV/bin/verl-hpc" --version) in $VENV"

@@ -44,6 +44,13 @@ if ! command -v bwrap >/dev/null 2>&1; then
   { DEBIAN_FRONTEND=noninteractive "${bw_pkg[@]}" || { apt-get update -q && DEBIAN_FRONTEND=noninteractive "${bw_pkg[@]}"; }; } \
     >/dev/null 2>&1 || echo "test.sh: could not install bubblewrap; the sandbox tests run the unshare backend only" >&2
 fi
+# TCMalloc: every CPU process of a run preloads it when installed (resources.host_allocator: auto), so
+# the suite runs the way a user's CPU run does; tests/utils/test_allocator.py requires it.
+if ! ls /usr/lib/*/libtcmalloc_minimal.so.4 /usr/lib/libtcmalloc_minimal.so.4 >/dev/null 2>&1; then
+  tc_pkg=(apt-get install -y -q --no-install-recommends libtcmalloc-minimal4)
+  { DEBIAN_FRONTEND=noninteractive "${tc_pkg[@]}" || { apt-get update -q && DEBIAN_FRONTEND=noninteractive "${tc_pkg[@]}"; }; } \
+    >/dev/null 2>&1 || echo "test.sh: could not install libtcmalloc-minimal4; the runs use glibc's malloc" >&2
+fi
 export TOKENIZERS_PARALLELISM=false
 # One compute thread per process: the sessions below and the multi-process runs keep more processes
 # runnable than there are cores, and torch's OpenMP threads then spin waiting for each other. Measured

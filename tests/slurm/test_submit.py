@@ -108,6 +108,9 @@ def test_submit_runs_one_hetjob_that_learns(slurm_cluster: SlurmCluster, learned
     logs = sorted(p.name for p in (run_dir / "slurm" / "logs").glob("*.out"))
     assert logs == ["reward_rank3.out", "rollout_rank2.out", "trainer_rank0.out", "trainer_rank1.out"]
     assert "job step exited with status 0" in (run_dir / "slurm" / f"{job}_batch.out").read_text()
+    # Every CPU task restarted itself under TCMalloc (resources.host_allocator: auto; `submit` does not preload).
+    for log in sorted((run_dir / "logs").glob("*_rank*.log")):
+        assert "host allocator tcmalloc (libtcmalloc" in log.read_text(), log
 
 
 def test_status_and_logs(learned: dict) -> None:

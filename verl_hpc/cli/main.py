@@ -94,13 +94,15 @@ def _add_init_model(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from verl_hpc.cli.run_report import train_and_report
+    from verl_hpc.cli.run_report import restart_under_allocator, train_and_report
     from verl_hpc.config import load_config
     from verl_hpc.config.machine import check_machine
     from verl_hpc.launch.executor import LocalExecutor
     from verl_hpc.runtime.state.run_dir import ALLOW_ENV
 
     cfg = load_config(args.config, args.overrides)
+    if not args.dry_run:
+        restart_under_allocator(cfg, args.may_restart)  # may restart this command under TCMalloc
     check_machine(cfg)  # before the run dir exists: a mismatch must not leave one behind
     limit = _time_limit(args.time_limit)
     executor = LocalExecutor(time_limit_s=limit)
@@ -209,6 +211,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.overrides = [*args.overrides, *extra]
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    # Only the program itself may restart (under another allocator): main() called from Python may not.
+    args.may_restart = argv is None
     try:
         return args.func(args)
     except ConfigError as err:

@@ -7,6 +7,7 @@ write — and must print it the same way.
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from typing import Any
@@ -21,6 +22,27 @@ def summary(steps: int, metrics: dict[str, float]) -> str:
     lines += [f"validation:    {key} {value:.4f}" for key, value in sorted(metrics.items())
               if key.startswith("val-core/")]
     return "\n".join(lines)
+
+
+def restart_under_allocator(cfg: Any, may_restart: bool) -> None:
+    """Say which host allocator this run's processes get; when that needs a preload this process
+    does not have, restart it under one (before torch is loaded here). `may_restart` is False when
+    main() was called from Python (a test, a notebook): that process is not ours to replace."""
+    from verl_hpc.config.placement import plan_for_config
+    from verl_hpc.utils.allocator import local_choice, needs_reexec, reexec
+
+    devices = {g.resources.device_type for g in plan_for_config(cfg).groups}
+    try:
+        chosen = local_choice(cfg.resources.host_allocator, devices)
+    except ValueError:
+        return  # a missing library: check_machine refuses it by the field's name
+    if not may_restart:
+        return
+    restart = needs_reexec(chosen, os.environ)
+    if restart or (devices <= {"cpu"} and chosen.name == "glibc"):  # on a CPU the allocator sets the peak
+        print(f"verl-hpc: {chosen.line()}", file=sys.stderr, flush=True)
+    if restart:
+        reexec(chosen)
 
 
 def train_and_report(cfg: Any, run_dir: str, again: str, executor: Any = None) -> int:

@@ -64,7 +64,7 @@ def _train_rows(given: dict) -> int | None:
 
 
 def _cmd_verl(args: argparse.Namespace) -> int:
-    from verl_hpc.cli.run_report import train_and_report
+    from verl_hpc.cli.run_report import restart_under_allocator, train_and_report
     from verl_hpc.config.machine import check_machine
     from verl_hpc.runtime.state.run_dir import named_run_dir
 
@@ -76,6 +76,7 @@ def _cmd_verl(args: argparse.Namespace) -> int:
         print(f"verl-hpc: ignored {key}={value!r}: {why}", file=sys.stderr)
     if args.submit:
         return _submit(cfg, args)
+    restart_under_allocator(cfg, args.may_restart)  # may restart this command under TCMalloc
     check_machine(cfg)
     run_dir = args.run_dir or str(named_run_dir(cfg, None))
     again = command_line("verl", *args.overrides, *(f"--set={s}" for s in args.sets), "--run-dir", run_dir)

@@ -43,10 +43,23 @@ def check_machine(cfg: RunConfig) -> None:
             raise FieldError(f"resources.{name}.device_ids", f"{role.device_ids} names GPU(s) {missing}, but this "
                              f"machine has {count} (ids 0-{count - 1})", f"use ids below {count}")
     _check_backend(cfg, cuda)
+    _check_allocator(cfg)
     for name in ROLE_NAMES:
         role = cfg.resources.role(name)
         if role is not None and role.strategy == "vllm":
             _check_vllm_build(f"resources.{name}", role.device_type)
+
+
+def _check_allocator(cfg: RunConfig) -> None:
+    """`host_allocator: tcmalloc` where no TCMalloc library is installed fails here, not in a worker."""
+    from verl_hpc.config.placement import plan_for_config
+    from verl_hpc.utils.allocator import INSTALL_HINT, local_choice
+
+    try:
+        local_choice(cfg.resources.host_allocator, {g.resources.device_type for g in plan_for_config(cfg).groups})
+    except ValueError as err:
+        raise FieldError("resources.host_allocator", f"tcmalloc, but {err}",
+                         f"{INSTALL_HINT}, or use auto (TCMalloc where it is installed)") from None
 
 
 def _check_backend(cfg: RunConfig, cuda: bool) -> None:

@@ -158,6 +158,10 @@ class ResourceConfig(StrictModel):
     # NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME, NCCL_IB_*, NCCL_DEBUG, ...: set in every worker
     # before the process group starts (and recorded in its env_*.json), locally and under Slurm.
     comm_env: dict[str, str] = Field(default_factory=dict)
+    host_allocator: Literal["auto", "glibc", "tcmalloc"] = Field("auto", description=(
+        "malloc of the run's processes: `auto` preloads TCMalloc (libtcmalloc-minimal4) into every process "
+        "on the CPU when the library is installed (a lower, steadier host peak: docs/memory.md), `glibc` "
+        "never, `tcmalloc` always (an error where it is missing); an allocator already in LD_PRELOAD is kept"))
 
     @model_validator(mode="before")
     @classmethod

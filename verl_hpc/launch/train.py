@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from verl_hpc.config import ConfigError, RunConfig, dump_config
-from verl_hpc.config.placement import plan_for_config
+from verl_hpc.config.placement import ProcessPlan, plan_for_config
 from verl_hpc.launch.run_files import recorded_launcher
 from verl_hpc.runtime.build import ensure_model, prompt_files
 from verl_hpc.runtime.lifecycle import TrainResult
@@ -154,10 +154,23 @@ def _supervise(cfg: RunConfig, path: Path, end_time: float | None) -> int:
     from verl_hpc.launch.local import LocalLauncher
 
     while True:
-        launcher = LocalLauncher(plan_for_config(cfg), path, [sys.executable, "-m", "verl_hpc.runtime.worker"],
+        plan = plan_for_config(cfg)
+        launcher = LocalLauncher(plan, path, [sys.executable, "-m", "verl_hpc.runtime.worker"],
+                                 env=_allocator_env(cfg.resources.host_allocator, plan),
                                  grace_seconds=min(10.0, cfg.resources.timeout_seconds), end_time=end_time)
         code = launcher.run()  # 128+signal when Ctrl-C/SIGTERM stopped it (workers saved first)
         if code != 0 or resize.accepted(path) is None:
             return code
         cfg = resize.apply_accepted(path)  # the workers stopped for a resize: restart on the new plan
         check_local(cfg)
+
+
+def _allocator_env(choice: str, plan: ProcessPlan) -> dict[str, str]:
+    """The preload the workers start with when all are on the CPU (one forked server serves them all);
+    in a mixed plan each CPU worker restarts itself under it (runtime/worker.py)."""
+    from verl_hpc.utils.allocator import local_choice
+
+    try:
+        return local_choice(choice, {g.resources.device_type for g in plan.groups}).env
+    except ValueError:  # no library for an explicit tcmalloc: check_machine refused it before a launch
+        return {}

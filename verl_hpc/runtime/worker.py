@@ -11,6 +11,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 # Before the heavy imports below (seconds of torch loading): a USR1/TERM that arrives while
 # this process starts (a preemption, say) is recorded, not fatal. StopFlag takes it over.
@@ -18,8 +19,32 @@ _EARLY_SIGNALS: list[tuple[int, float]] = []
 for _sig in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT):
     signal.signal(_sig, lambda signum, _frame: _EARLY_SIGNALS.append((signum, time.time())))
 
+
+def _restart_under_allocator() -> None:
+    """Restart this worker under the host allocator its own device gets (utils/allocator.py), before
+    torch is loaded. Workers the local launcher starts on a CPU-only plan inherit it and go on; a
+    Slurm task, or a CPU worker beside GPU ones, restarts here once."""
+    from verl_hpc.config import load_config
+    from verl_hpc.config.placement import plan_for_config
+    from verl_hpc.runtime.process.env import JobEnvironment
+    from verl_hpc.utils.allocator import local_choice, needs_reexec, reexec
+
+    cfg = load_config(Path(os.environ["VERL_HPC_RUN_DIR"]) / "config.yaml")
+    group, _ = plan_for_config(cfg).locate(JobEnvironment.from_env().rank)
+    try:
+        chosen = local_choice(cfg.resources.host_allocator, {group.resources.device_type})
+    except ValueError as err:
+        sys.exit(f"verl-hpc: error: resources.host_allocator: tcmalloc, but {err} on {os.uname().nodename}")
+    if needs_reexec(chosen, os.environ):
+        for sig in (signal.SIGUSR1, signal.SIGUSR2):  # as the batch script's wrapper left them: ignored
+            signal.signal(sig, signal.SIG_IGN)
+        reexec(chosen)
+
+
+if __name__ == "__main__":
+    _restart_under_allocator()
+
 import traceback  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 from verl_hpc.config import load_config  # noqa: E402
 from verl_hpc.config.placement import plan_for_config  # noqa: E402
