@@ -86,3 +86,23 @@ def test_openenv_trains_in_process_and_over_its_websocket_alike(server_url: str,
         assert a["env/steps/mean"] > 0 and a["env/failures"] == b["env/failures"] == 0
         for key in ("critic/score/mean", "env/steps/mean", "env/done_ratio", "actor/pg_loss"):
             assert a[key] == b[key], key  # the same episodes and the same update, whichever way they were played
+
+
+def test_a_server_error_or_no_server_costs_the_episode_only(server_url: str) -> None:
+    from verl_hpc.roles.env import EnvFailure
+    from verl_hpc.roles.env.sources import session_url
+
+    assert session_url("http://h:8000/") == "ws://h:8000/ws"
+    assert session_url("https://h") == "wss://h/ws" and session_url("ws://h:1") == "ws://h:1/ws"
+    wrong = make_environment("openenv_server", server_url, {"action_field": "no_such_field"})
+    try:
+        wrong.reset(seed=3)
+        with pytest.raises(EnvFailure, match="the server's error"):  # OpenEnv refuses the action's fields
+            wrong.step("1")
+    finally:
+        wrong.close()
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(EnvFailure, match="cannot reach the OpenEnv server"):
+        make_environment("openenv_server", f"http://127.0.0.1:{port}")

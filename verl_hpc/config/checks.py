@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from verl_hpc.config.env_checks import check_environment
 from verl_hpc.config.errors import FieldError
 from verl_hpc.config.placement import plan_for_config
 from verl_hpc.config.user_code import resolve_function
@@ -359,21 +360,6 @@ def check_reasoning_gym(gym: ReasoningGymConfig) -> None:
                          "reasoning-gym's system prompts", f"use one of {', '.join(sorted(prompts))}, or null")
 
 
-def check_env_workers(cfg: RunConfig) -> None:
-    """`resources.env` places the environment's workers: there must be an environment, and one count."""
-    workers, mt = cfg.resources.env, cfg.rollout.multi_turn
-    if workers is None:
-        return
-    if not mt.enable or mt.environment is None:
-        raise FieldError("resources.env", "environment workers are placed, but the run has no environment",
-                         "set rollout.multi_turn.enable: true and rollout.multi_turn.environment, or remove "
-                         "resources.env")
-    if mt.environment.num_workers not in (0, workers.num_workers):
-        raise FieldError("rollout.multi_turn.environment.num_workers", f"{mt.environment.num_workers} differs "
-                         f"from resources.env.num_workers ({workers.num_workers})",
-                         "give the count in one place: resources.env.num_workers")
-
-
 def check_multi_turn(cfg: RunConfig) -> None:
     """Cross-section checks of an enabled `rollout.multi_turn`, before anything starts.
 
@@ -382,7 +368,7 @@ def check_multi_turn(cfg: RunConfig) -> None:
     the first step.
     """
     mt = cfg.rollout.multi_turn
-    check_env_workers(cfg)
+    check_environment(cfg)
     if not mt.enable:
         return
     field = "rollout.multi_turn"

@@ -52,6 +52,9 @@ class EnvironmentConfig(StrictModel):
     num_workers: int = Field(0, ge=0, description="worker processes holding the environments (a crash or hang "
                              "costs their episodes, not the rollout; a dead worker is started again); 0 = "
                              "threads of the rollout process")
+    players: int = Field(1, ge=1, le=2, description="2: self-play, the policy plays both seats of a two-player "
+                         "TextArena game (e.g. TicTacToe-v0); the samples of a prompt pair into matches (sample 2k "
+                         "seat 0, 2k+1 seat 1, the row's seed), each seat an episode with its own reward")
 
 
 class MultiTurnConfig(StrictModel):

@@ -66,6 +66,9 @@ PRESETS: dict[str, ModelPreset] = {
     # built-in multi-turn task; head size 32, so vLLM's CPU attention serves it too.
     "tiny-agent": ModelPreset(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
                               intermediate_size=256, vocab_size=48),
+    # tiny-agent with room for a game's rules: TextArena's two-player intros run ~300 of its tokens.
+    "tiny-agent-1k": ModelPreset(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                                 intermediate_size=256, vocab_size=48, max_position_embeddings=1024),
     # small's shape with tiny-agent's tokenizer: agent benchmarks whose step is compute, not overhead
     # (a tool's latency is judged against a step that generation and the update dominate).
     "small-agent": ModelPreset(hidden_size=512, num_layers=6, num_heads=8, num_kv_heads=4,
@@ -159,7 +162,7 @@ def init_model(out_dir: str | os.PathLike, preset: str = "tiny", seed: int = 0,
     if out.exists() and any(out.iterdir()) and not is_built(out):
         raise FileExistsError(f"{out} exists and is not a model built by verl-hpc; choose an empty directory")
     spec = PRESETS[preset]
-    if preset in ("tiny-agent", "small-agent"):
+    if preset in ("tiny-agent", "tiny-agent-1k", "small-agent"):
         from verl_hpc.models.tiny_agent import build_agent_tokenizer
 
         tokenizer = build_agent_tokenizer(spec.vocab_size, seed)

@@ -41,6 +41,8 @@ class TurnHandler(Protocol):
 
     def take_replies(self, episode: Episode, outcomes: list[ToolOutcome]) -> None: ...
 
+    def release_ended(self, episodes: list[Episode]) -> None: ...
+
 
 def takes_requests(engine: Any) -> bool:
     """Whether the engine batches continuously (`submit` and `poll`)."""
@@ -60,7 +62,8 @@ def run_continuous(loop: TurnHandler, episodes: list[Episode], sampling: Any, ve
     waiting: list[Episode] = []
 
     def submit(ready: list[Episode]) -> None:
-        ready = [e for e in ready if not loop.ended_by_budget(e, sampling)]
+        waiting.extend(e for e in ready if e.pending is not None)  # self-play: a seat waiting for the other's move
+        ready = [e for e in ready if e.pending is None and not loop.ended_by_budget(e, sampling)]
         if not ready:
             return
         keys = [position[id(e)] for e in ready]
@@ -71,6 +74,7 @@ def run_continuous(loop: TurnHandler, episodes: list[Episode], sampling: Any, ve
 
     submit(episodes)
     while in_engine or waiting:
+        loop.release_ended(episodes)
         if in_engine:
             for key, ids, logprobs in loop.engine.poll(POLL_SECONDS_WITH_TOOLS if waiting else POLL_SECONDS):
                 episode = in_engine.pop(key)

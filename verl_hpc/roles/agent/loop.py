@@ -28,7 +28,7 @@ from verl_hpc.roles.agent.parsers import ToolCallParser
 from verl_hpc.roles.agent.render import ChatRenderer
 from verl_hpc.roles.agent.tool_runner import ToolOutcome, ToolRunner
 from verl_hpc.roles.allocator import generate_guarded
-from verl_hpc.roles.env.runner import EnvCalls, EnvOutcome
+from verl_hpc.roles.env.runner import EnvCalls, EnvOutcome, parked
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,9 @@ class AgentLoop:
         if first is not None:
             episode.has_env = True
             episode.env_seconds += first.seconds
-            if first.reply is None:  # its reset failed: one turn on the row's own prompt, then it ends
+            if first.later is not None:  # self-play's second seat: its first observation is the other's move
+                episode.pending = first.later
+            elif first.reply is None:  # its reset failed: one turn on the row's own prompt, then it ends
                 episode.env_failed = True
         return episode
 
@@ -113,22 +115,36 @@ class AgentLoop:
 
     def run_rounds(self, episodes: list[Episode], sampling: Any, version: int) -> None:
         """Rounds: every episode ready for its next turn goes to the engine in one call."""
-        ready = [e for e in episodes if not self.ended_by_budget(e, sampling)]
-        waiting: list[Episode] = []
+        waiting = [e for e in episodes if e.pending is not None]
+        ready = [e for e in episodes if e.pending is None and not self.ended_by_budget(e, sampling)]
         while ready or waiting:
+            self.release_ended(episodes)
             if ready:
                 self.generate_round(ready, sampling, version)
                 waiting += [e for e in ready if e.pending is not None]
                 ready = []
+                self.release_ended(episodes)
                 if self.cfg.deterministic_rounds and waiting:  # every reply in before the next round
-                    cf.wait([e.pending for e in waiting])  # type: ignore[misc]
+                    cf.wait([e.pending for e in waiting if not parked(e.pending)])  # type: ignore[misc]
             elif waiting:
                 self.wait_for_replies([e.pending for e in waiting])  # type: ignore[misc]
             for episode in [e for e in waiting if e.pending is not None and e.pending.done()]:
                 waiting.remove(episode)
                 self.take_replies(episode, episode.pending.result())  # type: ignore[union-attr]
-                if not self.ended_by_budget(episode, sampling):
+                if episode.pending is not None:  # its move is made; the other seat's comes first
+                    waiting.append(episode)
+                elif not self.ended_by_budget(episode, sampling):
                     ready.append(episode)
+
+    def release_ended(self, episodes: list[Episode]) -> None:
+        """Episodes that ended leave their environment now, not at the step's end: a self-play
+        opponent waiting on their next move is told the game is over (`MatchRunner.left`)."""
+        leave = getattr(self.envs, "left", None)
+        if leave is None:
+            return
+        for episode in episodes:
+            if episode.done and episode.has_env and episode.pending is None:
+                leave(episode.name)
 
     def wait_for_replies(self, pending: list[cf.Future]) -> None:
         """The first reply, then the others that come within one round's generation time.
@@ -173,7 +189,7 @@ class AgentLoop:
         episode.messages.append(message)
         if not parsed.calls:
             episode.final_answer = self._clean(parsed.content)
-            if self.envs is not None and closed and not episode.env_failed:
+            if self.envs is not None and closed and not episode.env_failed and not episode.env_done:
                 self.step_environment(episode)
                 return
             episode.end(finished=closed, truncated=not closed)
@@ -193,15 +209,27 @@ class AgentLoop:
             return
         episode.pending = self.envs.submit(episode.name, episode.final_answer)  # type: ignore[union-attr]
 
-    def take_env_reply(self, episode: Episode, outcome: EnvOutcome) -> None:
-        """The environment's observation becomes the next user turn; `done` or a failure ends the episode."""
+    def take_env_reply(self, episode: Episode, outcome: EnvOutcome, moved: bool = False) -> None:
+        """The environment's observation becomes the next user turn; `done` or a failure ends the episode.
+        `moved`: the observation answers a move counted already, when it was made (self-play)."""
         episode.env_seconds += outcome.seconds
+        if outcome.later is not None:  # the move is made; the next observation follows the other seat's
+            episode.env_steps += 1
+            episode.pending = outcome.later
+            return
+        if outcome.reply is not None and episode.assistant_turns == 0:  # a second seat's first observation
+            episode.messages.append({"role": "user", "content": outcome.reply.text})
+            episode.prompt_ids = self.renderer.prompt_ids(episode.messages)
+            episode.env_reward += outcome.reply.reward
+            episode.env_done = outcome.reply.done  # the game ended unplayed: one turn, not sent to it
+            return
         if outcome.reply is None:
             log.warning("environment failed in %s: %s", episode.name, outcome.error)
             episode.env_failed = True
             episode.end(finished=True, truncated=False)
             return
-        episode.env_steps += 1
+        if not moved:
+            episode.env_steps += 1
         episode.env_reward += outcome.reply.reward
         if outcome.reply.done:
             episode.env_done = True
@@ -211,9 +239,9 @@ class AgentLoop:
 
     def take_replies(self, episode: Episode, outcomes: list[ToolOutcome] | EnvOutcome) -> None:
         """The tool replies become tool messages; their template text is appended as inserted ids."""
-        episode.pending = None
+        waited, episode.pending = parked(episode.pending), None
         if isinstance(outcomes, EnvOutcome):
-            self.take_env_reply(episode, outcomes)
+            self.take_env_reply(episode, outcomes, moved=waited and episode.assistant_turns > 0)
             return
         turn = episode.assistant_turns
         replies = []

@@ -68,6 +68,10 @@ def env_runner(multi_turn: Any, num_workers: int | None = None, home: Any = None
             return ProcessEnvRunner(remote_starter(home, RECONNECT_S), home.num_workers, env.timeout_seconds)
         spec = {"source": env.source, "id": env.id, "kwargs": env.kwargs, "threads": env.workers}
         return ProcessEnvRunner.local(spec, count, env.timeout_seconds)
+    if env.players == 2:  # self-play: both seats of each match in threads here (config/env_checks.py)
+        from verl_hpc.roles.env.match import MatchRunner
+
+        return MatchRunner(env.id, env.kwargs, env.workers, env.timeout_seconds)
     return EnvRunner(lambda: make_environment(env.source, env.id, env.kwargs), env.workers, env.timeout_seconds)
 
 

@@ -27,6 +27,18 @@ class EnvOutcome:
     reply: EnvReply | None
     error: str | None = None
     seconds: float = 0.0
+    # The observation comes later, when another episode moves (self-play, match.py): neither a reply
+    # nor an error yet, and the loop must not wait on it while it still has turns to generate.
+    later: cf.Future | None = None
+
+
+class ParkedFuture(cf.Future):
+    """An observation that comes when another episode moves (self-play), not from a call in flight."""
+
+
+def parked(future: Any) -> bool:
+    """Whether waiting on `future` would wait on a generation round (the loop must not)."""
+    return isinstance(future, ParkedFuture)
 
 
 class EnvCalls(Protocol):

@@ -1,0 +1,141 @@
+"""Self-play (`environment.players: 2`): the policy plays both seats of a TextArena game, one episode
+per seat, whose moves wait on each other without ever holding a round or a thread."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from tests.conftest import REPO
+from verl_hpc.config import SamplingConfig
+from verl_hpc.config.multi_turn import EnvironmentConfig, MultiTurnConfig
+from verl_hpc.roles.env.match import LEFT, MatchRunner, seat_of
+from verl_hpc.roles.env.runner import parked
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("textarena") is None, reason="textarena not installed")
+SEAT0, SEAT1 = "episode-1-0-0", "episode-1-0-1"
+
+
+def test_samples_pair_into_matches() -> None:
+    assert seat_of("episode-3-7-0") == ("episode-3-7-match0", 0)
+    assert seat_of("episode-3-7-5") == ("episode-3-7-match2", 1)
+    with pytest.raises(ValueError):
+        seat_of("episode")
+
+
+def test_each_seat_waits_for_the_others_move_and_both_get_the_games_rewards() -> None:
+    runner = MatchRunner("TicTacToe-v0", {}, workers=2, timeout=30)
+    first0, first1 = runner.reset_all([(SEAT0, 3, {}), (SEAT1, 3, {})])
+    assert "Player 0" in first0.reply.text and first0.later is None
+    assert first1.reply is None and first1.error is None and parked(first1.later) and not first1.later.done()
+    waits = {0: None, 1: first1.later}
+    moves = [(0, "[4]"), (1, "[0]"), (0, "[1]"), (1, "[2]")]
+    for seat, move in moves:
+        if waits[seat] is not None:  # its observation came with the other seat's move
+            seen = waits[seat].result(timeout=0)
+            assert seen.reply is not None and not seen.reply.done and "Current Board" in seen.reply.text
+        answer = runner.submit((SEAT0, SEAT1)[seat], move).result(timeout=30)
+        assert answer.reply is None and parked(answer.later), answer  # the other seat moves next
+        waits[seat] = answer.later
+    assert runner.submit(SEAT0, "nonsense").result(timeout=30).reply is not None  # invalid: seat 0 again
+    last = runner.submit(SEAT0, "[7]").result(timeout=30)  # O on 4, 1, 7: seat 0 wins
+    assert (last.reply.done, last.reply.reward) == (True, 1.0)
+    lost = waits[1].result(timeout=0)
+    assert (lost.reply.done, lost.reply.reward) == (True, -1.0) and "cell 7" in lost.reply.text
+    assert runner.submit(SEAT1, "[8]").result(timeout=30).error  # the game is over
+    runner.close()
+
+
+def test_a_seat_that_leaves_ends_its_opponents_game_and_a_lone_seat_has_no_match() -> None:
+    runner = MatchRunner("TicTacToe-v0", {}, workers=2, timeout=30)
+    _, first1 = runner.reset_all([(SEAT0, 5, {}), (SEAT1, 5, {})])
+    runner.left(SEAT0)  # seat 0 ran out of budget before its first move
+    alone = first1.later.result(timeout=0)
+    assert (alone.reply.reward, alone.reply.done) == (0.0, True)
+    assert alone.reply.text.startswith("You are Player 1") and alone.reply.text.endswith(LEFT)
+    lone = runner.reset_all([("episode-2-0-0", 1, {})])[0]
+    assert lone.reply is None and "seats 0 and 1" in lone.error
+    runner.close()
+
+
+@pytest.fixture(scope="module")
+def agent_dir(tmp_path_factory):
+    from verl_hpc.models.tiny import init_model
+
+    return init_model(tmp_path_factory.mktemp("m") / "tiny-agent", preset="tiny-agent", seed=0)
+
+
+def _self_play(model_dir: Path, deterministic: bool, matches: int = 4) -> list[dict]:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from verl_hpc.roles.agent import AgentRollout
+    from verl_hpc.roles.rollout.base import stop_token_ids
+    from verl_hpc.roles.rollout.hf import HFRolloutEngine
+
+    tok = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
+    engine = HFRolloutEngine(AutoModelForCausalLM.from_pretrained(model_dir), tok)
+    env = EnvironmentConfig(source="textarena", id="TicTacToe-v0", players=2)
+    cfg = MultiTurnConfig(enable=True, environment=env, max_assistant_turns=6, deterministic_rounds=deterministic)
+    agent = AgentRollout(cfg, engine, tok, stop_token_ids(tok, str(model_dir)), 4096)
+    rows = matches * 2  # one prompt, its samples paired into matches
+    ds = SimpleNamespace(prompts=[[{"role": "system", "content": "play"}]], answers=[""], data_sources=[None],
+                         extra_infos=[json.dumps({"env_seed": 11})])
+    torch.manual_seed(0)
+    batch = agent.rows(1, [0] * rows, list(range(rows)), [0] * rows, ds, SamplingConfig(n=rows, max_new_tokens=320),
+                       version=0)
+    agent.close()
+    return [json.loads(t) for t in batch.column("trajectory").to_pylist()]
+
+
+@pytest.fixture(scope="module")
+def in_rounds(agent_dir: Path) -> list[dict]:
+    return _self_play(agent_dir, True)
+
+
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_the_policy_plays_both_seats_to_the_end(agent_dir: Path, in_rounds: list[dict], deterministic: bool) -> None:
+    records = in_rounds if deterministic else _self_play(agent_dir, False)
+    for seat0, seat1 in zip(records[0::2], records[1::2], strict=True):
+        users0 = [m["content"] for m in seat0["messages"] if m["role"] == "user"]
+        users1 = [m["content"] for m in seat1["messages"] if m["role"] == "user"]
+        assert "Player 0" in users0[0] and "Player 1" in users1[0]  # each seat sees its own side
+        assert not seat0["env_failed"] and not seat1["env_failed"]
+        if seat0["env_done"] and seat1["env_done"] and not any(LEFT in u for u in users0 + users1):
+            assert seat0["env_reward"] + seat1["env_reward"] == 0.0  # a win is the other's loss
+    assert sum(r["num_turns"] for r in records[1::2]) > 0  # the second seats moved too
+    if deterministic:  # seeded and independent of timing: these games are known to have winners
+        assert any(r["env_reward"] != 0.0 for r in records)
+
+
+def test_deterministic_self_play_does_not_depend_on_timing(agent_dir: Path, in_rounds: list[dict]) -> None:
+    assert [r["messages"] for r in _self_play(agent_dir, True)] == [r["messages"] for r in in_rounds]
+
+
+def test_the_example_config_trains_by_self_play(tmp_path: Path) -> None:
+    """configs/selfplay_tictactoe.yaml through the CLI, two steps: every seat got its game, none failed."""
+    from tests.conftest import run_cli
+
+    run_dir = tmp_path / "run"
+    proc = run_cli("train", "configs/selfplay_tictactoe.yaml", "--run-dir", str(run_dir),
+                   f"model.path={tmp_path / 'model'}", "trainer.total_steps=2", "trainer.batch_size=16",
+                   "trainer.save_hf_model=false")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (run_dir / "tensorboard" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and all(r["env/failures"] == 0 for r in rows)
+    assert all(r["critic/score/mean"] == 0.0 for r in rows if r["env/done_ratio"] == 1.0)  # zero-sum games
+
+
+def test_self_play_needs_pairs_a_game_and_threads(tmp_path: Path) -> None:
+    from verl_hpc.config import ConfigError, load_config
+
+    base = ["model.path=" + str(tmp_path / "m")]
+    for override, field in (("algorithm.sampling.n=3", "algorithm.sampling.n"),
+                            ("rollout.multi_turn.environment.num_workers=2", "environment.num_workers"),
+                            ("rollout.multi_turn.environment.source=python", "environment.players")):
+        with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+            load_config(REPO / "configs" / "selfplay_tictactoe.yaml", [*base, override])

@@ -1,0 +1,55 @@
+"""Checks of `rollout.multi_turn.environment` against the rest of the config: where its workers
+run (`resources.env`) and what self-play (`players: 2`) needs of the batch and the placement."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from verl_hpc.config.errors import FieldError
+
+if TYPE_CHECKING:
+    from verl_hpc.config.schema import RunConfig
+
+ENV = "rollout.multi_turn.environment"
+
+
+def check_environment(cfg: RunConfig) -> None:
+    check_env_workers(cfg)
+    check_self_play(cfg)
+
+
+def check_env_workers(cfg: RunConfig) -> None:
+    """`resources.env` places the environment's workers: there must be an environment, and one count."""
+    workers, mt = cfg.resources.env, cfg.rollout.multi_turn
+    if workers is None:
+        return
+    if not mt.enable or mt.environment is None:
+        raise FieldError("resources.env", "environment workers are placed, but the run has no environment",
+                         "set rollout.multi_turn.enable: true and rollout.multi_turn.environment, or remove "
+                         "resources.env")
+    if mt.environment.num_workers not in (0, workers.num_workers):
+        raise FieldError(f"{ENV}.num_workers", f"{mt.environment.num_workers} differs "
+                         f"from resources.env.num_workers ({workers.num_workers})",
+                         "give the count in one place: resources.env.num_workers")
+
+
+def check_self_play(cfg: RunConfig) -> None:
+    """Self-play pairs the samples of a prompt into matches (2k: seat 0, 2k+1: seat 1) whose seats
+    wait on each other's moves in one process: a TextArena game, even sample counts, threads."""
+    env = cfg.rollout.multi_turn.environment
+    if env is None or env.players == 1 or not cfg.rollout.multi_turn.enable:
+        return
+    if env.source != "textarena":
+        raise FieldError(f"{ENV}.players", f"self-play is built for TextArena games, not source {env.source!r}",
+                         "use source: textarena (e.g. TicTacToe-v0), or players: 1")
+    n = cfg.algorithm.sampling.n
+    if n % 2:
+        raise FieldError("algorithm.sampling.n", f"{n} samples per prompt cannot pair into two-player matches",
+                         f"use an even number ({n + 1}), or {ENV}.players: 1")
+    if cfg.data.val_files and cfg.trainer.val_n % 2:
+        raise FieldError("trainer.val_n", f"{cfg.trainer.val_n} validation samples per prompt cannot pair into "
+                         "two-player matches", f"use an even number ({cfg.trainer.val_n + 1})")
+    if env.num_workers or cfg.resources.env is not None:
+        raise FieldError(f"{ENV}.num_workers", "self-play runs its matches in threads of the rollout process: "
+                         "both seats of a game wait on each other there",
+                         f"set {ENV}.num_workers: 0 and remove resources.env")
