@@ -143,3 +143,29 @@ def reexec(chosen: AllocatorChoice) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], {**os.environ, **chosen.env})
+
+
+_RELEASE: list[Callable[[], None] | None] = []
+
+
+def release_free_memory() -> bool:
+    """Hand the pages TCMalloc holds free back to the system (`MallocExtension_ReleaseFreeMemory`);
+    False, doing nothing, under any other allocator.
+
+    Why between a step's stages: TCMalloc keeps freed spans for reuse, and a stage whose tensors
+    have other sizes than the last one's (the update after generation's KV cache) takes fresh
+    pages beside them, so the resident peak carries the last stage's garbage. Released, the
+    peak is the stage's own.
+    """
+    if not _RELEASE:
+        import ctypes
+
+        try:
+            _RELEASE.append(ctypes.CDLL(None).MallocExtension_ReleaseFreeMemory)
+        except (AttributeError, OSError):
+            _RELEASE.append(None)
+    release = _RELEASE[0]
+    if release is None:
+        return False
+    release()
+    return True

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from verl_hpc.metrics.memory import PhaseProbe, process_probe
+from verl_hpc.utils.allocator import release_free_memory
 
 
 class Timer:
@@ -31,6 +32,8 @@ class Timer:
         start = time.perf_counter()
         with self.probe.stage(name) if self.probe is not None else contextlib.nullcontext():
             yield
+        if name != "step":
+            release_free_memory()  # the next stage starts from this one's live memory, not its garbage
         key = f"timing_s/{name}"
         self.seconds[key] = self.seconds.get(key, 0.0) + time.perf_counter() - start
 
