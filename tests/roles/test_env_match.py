@@ -139,3 +139,18 @@ def test_self_play_needs_pairs_a_game_and_threads(tmp_path: Path) -> None:
                             ("rollout.multi_turn.environment.source=python", "environment.players")):
         with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
             load_config(REPO / "configs" / "selfplay_tictactoe.yaml", [*base, override])
+
+
+def test_a_failing_game_fails_both_seats_and_both_play_again(agent_dir: Path, monkeypatch) -> None:
+    def broken(match, action):  # noqa: ANN001
+        raise RuntimeError("the game crashed")
+
+    monkeypatch.setattr(MatchRunner, "_step", staticmethod(broken))
+    records = _self_play(agent_dir, True, matches=2)
+    moved = [r for r in records if r["env_failed"]]
+    assert moved, "no seat 0 ended a turn, so no move was tried"
+    for seat0, seat1 in zip(records[0::2], records[1::2], strict=True):
+        assert seat0["env_failed"] == seat1["env_failed"]  # a game fails as a whole
+        assert seat1["num_turns"] >= 1  # a second seat whose game failed unplayed still took its turn
+        assert seat0["env_retries"] == seat1["env_retries"]  # the match was played again as a whole
+    assert all(r["env_retries"] == 1 for r in moved)

@@ -91,6 +91,19 @@ def test_a_process_restarts_itself_under_tcmalloc() -> None:
     assert out.startswith("tcmalloc (libtcmalloc") and out.split()[-1] == "tcmalloc", out
 
 
+def test_free_pages_are_handed_back_under_tcmalloc_only() -> None:
+    lib = installed()
+    script = ("from verl_hpc.utils.allocator import release_free_memory\n"
+              "blocks = [bytearray(1 << 20) for _ in range(64)]; del blocks\n"
+              "print(release_free_memory())\n")
+    env = {k: v for k, v in __import__("os").environ.items() if k != "LD_PRELOAD"}
+    for preload, expected in ((lib, "True"), (None, "False")):
+        run_env = {**env, "LD_PRELOAD": preload} if preload else env
+        out = subprocess.run([sys.executable, "-c", script], env=run_env, cwd=REPO, text=True, capture_output=True,
+                             timeout=120, check=True).stdout.strip()
+        assert out == expected, (preload, out)
+
+
 def test_explicit_tcmalloc_without_the_library_is_refused_by_field(monkeypatch: pytest.MonkeyPatch) -> None:
     from verl_hpc.config.machine import check_machine
 

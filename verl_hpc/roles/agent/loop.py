@@ -217,6 +217,9 @@ class AgentLoop:
             episode.env_steps += 1
             episode.pending = outcome.later
             return
+        if outcome.reply is None and episode.assistant_turns == 0:  # a second seat's game failed unplayed:
+            episode.env_failed = True  # as a failed reset, one turn on the row's own prompt, then it ends
+            return
         if outcome.reply is not None and episode.assistant_turns == 0:  # a second seat's first observation
             episode.messages.append({"role": "user", "content": outcome.reply.text})
             episode.prompt_ids = self.renderer.prompt_ids(episode.messages)
