@@ -90,7 +90,7 @@ def test_openenv_trains_in_process_and_over_its_websocket_alike(server_url: str,
 
 def test_a_server_error_or_no_server_costs_the_episode_only(server_url: str) -> None:
     from verl_hpc.roles.env import EnvFailure
-    from verl_hpc.roles.env.sources import session_url
+    from verl_hpc.roles.env.openenv_client import session_url
 
     assert session_url("http://h:8000/") == "ws://h:8000/ws"
     assert session_url("https://h") == "wss://h/ws" and session_url("ws://h:1") == "ws://h:1/ws"
@@ -106,3 +106,20 @@ def test_a_server_error_or_no_server_costs_the_episode_only(server_url: str) -> 
         port = s.getsockname()[1]
     with pytest.raises(EnvFailure, match="cannot reach the OpenEnv server"):
         make_environment("openenv_server", f"http://127.0.0.1:{port}")
+
+
+def test_a_finished_episode_leaves_its_session_to_the_next_and_a_failed_one_does_not(server_url: str) -> None:
+    first = make_environment("openenv_server", server_url)
+    first.reset(seed=3)
+    first.close()  # kept open for the next episode
+    second = make_environment("openenv_server", server_url)
+    assert second.reused and second.ws is first.ws
+    assert second.reset(seed=3) == EnvReply("what is in the box")  # a fresh episode on the same session
+    second.close()
+    hasty = make_environment("openenv_server", server_url, {"message_timeout_s": 1e-6})
+    with pytest.raises(TimeoutError):  # no answer in time: the session's state is unknown
+        hasty.reset(seed=3)
+    hasty.close()
+    third = make_environment("openenv_server", server_url)
+    assert third.ws is not hasty.ws  # a session whose call failed was ended, not kept
+    third.close()

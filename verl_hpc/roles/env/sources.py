@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import threading
 import typing
@@ -116,71 +115,6 @@ class ClassEnvironment:
             closer()
 
 
-def session_url(url: str) -> str:
-    """An OpenEnv server's base URL (http(s):// or ws(s)://) -> its WebSocket session endpoint."""
-    base = url.rstrip("/")
-    for http, ws in (("http://", "ws://"), ("https://", "wss://")):
-        if base.startswith(http):
-            base = ws + base[len(http):]
-    return f"{base}/ws"
-
-
-class OpenEnvServerEnvironment:
-    """One episode's WebSocket session with an OpenEnv server, spoken from the episode's own thread.
-
-    Why not openenv's `SyncEnvClient`: it runs an asyncio loop in a thread of its own per client and
-    hands every call to it and back. With 64 episodes in flight beside generation, those two GIL
-    handoffs per call cost ~3 ms each (the rollout 1.65x in-process with a 50 ms waiting game,
-    docs/benchmarks.md). This speaks the same protocol (`/ws`: `{"type": "reset"|"step"|"close",
-    "data": ...}` in, `{"type": "observation"|"error", "data": ...}` out, openenv-core 0.3) with
-    websockets' blocking client, in the thread that waits for the answer anyway.
-    """
-
-    def __init__(self, url: str, action_field: str = "message", connect_timeout_s: float = 10.0,
-                 message_timeout_s: float = 600.0):
-        from websockets.sync.client import connect
-
-        ws_url = session_url(url)
-        try:  # no proxy: the server is the run's own, often on this machine or the cluster's network
-            self.ws = connect(ws_url, open_timeout=connect_timeout_s, max_size=100 * 2**20, proxy=None)
-        except (OSError, TimeoutError, ValueError) as err:
-            raise EnvFailure(f"cannot reach the OpenEnv server at {ws_url}: {err}") from None
-        self.action_field, self.message_timeout_s = action_field, message_timeout_s
-
-    def call(self, kind: str, data: dict[str, Any]) -> EnvReply:
-        """Send one message, wait for its answer, read it as an observation."""
-        self.ws.send(json.dumps({"type": kind, "data": data}))
-        answer = json.loads(self.ws.recv(timeout=self.message_timeout_s))
-        payload = answer.get("data") if isinstance(answer, dict) else None
-        if not isinstance(payload, dict):
-            raise EnvFailure(f"the server answered {str(answer)[:200]!r}, not an observation")
-        if answer.get("type") == "error":
-            raise EnvFailure(f"the server's error: {payload.get('message')} ({payload.get('code')})")
-        return self.reply(payload)
-
-    @staticmethod
-    def reply(payload: dict[str, Any]) -> EnvReply:
-        """A server's observation message: its observation's fields, reward and done."""
-        fields = payload.get("observation")
-        if not isinstance(fields, dict):
-            raise EnvFailure(f"the server sent {type(fields).__name__}, not an observation's fields")
-        found = [fields[n] for n in TEXT_FIELDS if isinstance(fields.get(n), str)]
-        text = found[0] if found else json.dumps(
-            {k: v for k, v in fields.items() if k not in ("done", "reward", "metadata")}, default=str)
-        return EnvReply.checked(text, payload.get("reward"), payload.get("done", False))
-
-    def reset(self, seed: int | None = None, **kwargs: Any) -> EnvReply:
-        return self.call("reset", {"seed": seed, **kwargs})
-
-    def step(self, action: str) -> EnvReply:
-        return self.call("step", {self.action_field: action})
-
-    def close(self) -> None:
-        with contextlib.suppress(Exception):  # the session may be gone already: closing is best effort
-            self.ws.send(json.dumps({"type": "close"}))
-        self.ws.close()
-
-
 ENV_FIELD = "rollout.multi_turn.environment"
 
 
@@ -194,5 +128,7 @@ def make_environment(source: str, ref: str, kwargs: dict[str, Any] | None = None
 
         return ClassEnvironment(import_callable(ref, f"{ENV_FIELD}.id"), **kwargs)
     if source == "openenv_server":
+        from verl_hpc.roles.env.openenv_client import OpenEnvServerEnvironment
+
         return OpenEnvServerEnvironment(ref, **kwargs)
     raise ValueError(f"unknown environment source {source!r}: textarena, python or openenv_server")
