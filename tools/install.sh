@@ -79,7 +79,7 @@ if [ "$WANT_VLLM" = 1 ] && ! has_gpu; then
 fi
 # TCMalloc (a system library, not a wheel): CPU runs preload it when it is installed, for a lower memory
 # peak (resources.host_allocator, docs/memory.md). Installed here as root with apt; otherwise one hint.
-if ! "$VENV/bin/python" -c "import sys; from verl_hpc.utils.allocator import find_tcmalloc, library_dirs; \
+if ! "$VENV/bin/python" -c "import sys; from verl_hpc.utils.host_allocator import find_tcmalloc, library_dirs; \
 sys.exit(find_tcmalloc(library_dirs([sys.prefix])) is None)" 2>/dev/null; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     echo "[install] installing libtcmalloc-minimal4 (the CPU runs' allocator)"

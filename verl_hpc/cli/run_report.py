@@ -29,7 +29,7 @@ def restart_under_allocator(cfg: Any, may_restart: bool) -> None:
     does not have, restart it under one (before torch is loaded here). `may_restart` is False when
     main() was called from Python (a test, a notebook): that process is not ours to replace."""
     from verl_hpc.config.placement import plan_for_config
-    from verl_hpc.utils.allocator import local_choice, needs_reexec, reexec
+    from verl_hpc.utils.host_allocator import local_choice, needs_reexec, reexec
 
     devices = {g.resources.device_type for g in plan_for_config(cfg).groups}
     try:

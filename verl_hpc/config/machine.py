@@ -53,7 +53,7 @@ def check_machine(cfg: RunConfig) -> None:
 def _check_allocator(cfg: RunConfig) -> None:
     """`host_allocator: tcmalloc` where no TCMalloc library is installed fails here, not in a worker."""
     from verl_hpc.config.placement import plan_for_config
-    from verl_hpc.utils.allocator import INSTALL_HINT, local_choice
+    from verl_hpc.utils.host_allocator import INSTALL_HINT, local_choice
 
     try:
         local_choice(cfg.resources.host_allocator, {g.resources.device_type for g in plan_for_config(cfg).groups})

@@ -168,7 +168,7 @@ def _supervise(cfg: RunConfig, path: Path, end_time: float | None) -> int:
 def _allocator_env(choice: str, plan: ProcessPlan) -> dict[str, str]:
     """The preload the workers start with when all are on the CPU (one forked server serves them all);
     in a mixed plan each CPU worker restarts itself under it (runtime/worker.py)."""
-    from verl_hpc.utils.allocator import local_choice
+    from verl_hpc.utils.host_allocator import local_choice
 
     try:
         return local_choice(choice, {g.resources.device_type for g in plan.groups}).env

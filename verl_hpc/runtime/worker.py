@@ -21,13 +21,13 @@ for _sig in (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT):
 
 
 def _restart_under_allocator() -> None:
-    """Restart this worker under the host allocator its own device gets (utils/allocator.py), before
+    """Restart this worker under the host allocator its own device gets (utils/host_allocator.py), before
     torch is loaded. Workers the local launcher starts on a CPU-only plan inherit it and go on; a
     Slurm task, or a CPU worker beside GPU ones, restarts here once."""
     from verl_hpc.config import load_config
     from verl_hpc.config.placement import plan_for_config
     from verl_hpc.runtime.process.env import JobEnvironment
-    from verl_hpc.utils.allocator import local_choice, needs_reexec, reexec
+    from verl_hpc.utils.host_allocator import local_choice, needs_reexec, reexec
 
     cfg = load_config(Path(os.environ["VERL_HPC_RUN_DIR"]) / "config.yaml")
     group, _ = plan_for_config(cfg).locate(JobEnvironment.from_env().rank)

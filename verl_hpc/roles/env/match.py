@@ -24,6 +24,7 @@ from typing import Any
 
 from verl_hpc.roles.env.base import EnvFailure, EnvReply
 from verl_hpc.roles.env.runner import EnvOutcome, ParkedFuture, call_within
+from verl_hpc.roles.env.sources import TEXTARENA_LOCK
 
 PLAYERS = 2
 LEFT = "The other player left the game before it ended."
@@ -43,7 +44,6 @@ class Match:
     """One game and what its seats wait for."""
 
     game: Any
-    seats: dict[int, str] = field(default_factory=dict)              # seat -> episode name
     waiting: dict[int, ParkedFuture] = field(default_factory=dict)  # seat -> its next observation
     over: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -61,8 +61,6 @@ class MatchRunner:
 
     def _new_game(self, seed: int | None, kwargs: dict[str, Any]) -> Any:
         import textarena
-
-        from verl_hpc.roles.env.sources import TEXTARENA_LOCK
 
         game = textarena.make(self.game_id, **self.kwargs)
         while hasattr(game, "env"):  # the LLM wrappers re-send the whole history; turns need only what is new
@@ -92,7 +90,7 @@ class MatchRunner:
         seat0 = next(s for s in seats if s[0] == 0)
         try:
             game = call_within(lambda: self._new_game(seat0[2], seat0[3]), self.timeout)
-            match = Match(game, {seat: episode for seat, episode, _, _ in seats})
+            match = Match(game)
             mover, text = call_within(lambda: self._observe(match), self.timeout)
         except EnvFailure as err:
             return {episode: EnvOutcome(None, str(err), time.perf_counter() - began) for _, episode, _, _ in seats}
@@ -115,16 +113,12 @@ class MatchRunner:
 
     def _unread(self, match: Match, seat: int) -> str:
         """What `seat` has not seen yet, without taking it (the game's end, a seat that is not to move)."""
-        from verl_hpc.roles.env.sources import TEXTARENA_LOCK
-
         with TEXTARENA_LOCK:
             messages = list(match.game.state.observations.get(seat, []))
         return self._news(messages, seat)
 
     def _observe(self, match: Match) -> tuple[int, str]:
         """The seat to move now and what it has not seen yet."""
-        from verl_hpc.roles.env.sources import TEXTARENA_LOCK
-
         with TEXTARENA_LOCK:
             seat, messages = match.game.get_observation()
         return int(seat), self._news(messages, int(seat))
@@ -161,16 +155,12 @@ class MatchRunner:
 
     @staticmethod
     def _step(match: Match, action: str) -> bool:
-        from verl_hpc.roles.env.sources import TEXTARENA_LOCK
-
         with TEXTARENA_LOCK:
             done, _ = match.game.step(action)
         return bool(done)
 
     def _end(self, match: Match, seat: int, began: float) -> EnvOutcome:
         """The game is over: every seat gets its last news and its reward (TextArena's close)."""
-        from verl_hpc.roles.env.sources import TEXTARENA_LOCK
-
         with TEXTARENA_LOCK:
             rewards, _ = match.game.close()
         match.over = True

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from verl_hpc.metrics.memory import PhaseProbe, process_probe
-from verl_hpc.utils.allocator import release_free_memory
+from verl_hpc.utils.host_allocator import release_free_memory
 
 
 class Timer:

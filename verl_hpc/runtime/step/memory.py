@@ -26,8 +26,8 @@ from verl_hpc.roles.memory.budget import Budget, device_budget, runtime_floor
 from verl_hpc.roles.memory.estimate import RUNTIME_GROWTH_CPU
 from verl_hpc.roles.memory.plan import GIB, MemoryPlan, plan_memory
 from verl_hpc.roles.memory.shapes import ModelShape, Switches, Workload
-from verl_hpc.utils.allocator import own_allocator
 from verl_hpc.utils.fs import expand_path
+from verl_hpc.utils.host_allocator import own_allocator
 from verl_hpc.utils.logging import get_logger
 
 log = get_logger("memory")

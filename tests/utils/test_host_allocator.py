@@ -1,4 +1,4 @@
-"""The host allocator of a run's processes (utils/allocator.py): TCMalloc on the CPU unless chosen otherwise.
+"""The host allocator of a run's processes (utils/host_allocator.py): TCMalloc on the CPU unless chosen otherwise.
 
 The choice is pure and tested case by case; the restart is tested for real (a process that
 re-executes itself and finds TCMalloc in its own memory map), and so is the CLI: a split run's
@@ -16,7 +16,7 @@ import pytest
 
 from tests.conftest import run_cli
 from verl_hpc.config import ConfigError, load_config
-from verl_hpc.utils.allocator import (
+from verl_hpc.utils.host_allocator import (
     APPLIED_ENV,
     QUIET_LARGE_ALLOCS,
     active_allocator,
@@ -81,7 +81,7 @@ def installed() -> str:
 
 def test_a_process_restarts_itself_under_tcmalloc() -> None:
     installed()
-    script = ("import os; from verl_hpc.utils.allocator import *\n"
+    script = ("import os; from verl_hpc.utils.host_allocator import *\n"
               "chosen = local_choice('auto', {'cpu'})\n"
               "if needs_reexec(chosen, os.environ): reexec(chosen)\n"
               "print(own_allocator(), os.environ[APPLIED_ENV])\n")
@@ -93,7 +93,7 @@ def test_a_process_restarts_itself_under_tcmalloc() -> None:
 
 def test_free_pages_are_handed_back_under_tcmalloc_only() -> None:
     lib = installed()
-    script = ("from verl_hpc.utils.allocator import release_free_memory\n"
+    script = ("from verl_hpc.utils.host_allocator import release_free_memory\n"
               "blocks = [bytearray(1 << 20) for _ in range(64)]; del blocks\n"
               "print(release_free_memory())\n")
     env = {k: v for k, v in __import__("os").environ.items() if k != "LD_PRELOAD"}
@@ -107,7 +107,7 @@ def test_free_pages_are_handed_back_under_tcmalloc_only() -> None:
 def test_explicit_tcmalloc_without_the_library_is_refused_by_field(monkeypatch: pytest.MonkeyPatch) -> None:
     from verl_hpc.config.machine import check_machine
 
-    monkeypatch.setattr("verl_hpc.utils.allocator.find_tcmalloc", lambda dirs, exists=None: None)
+    monkeypatch.setattr("verl_hpc.utils.host_allocator.find_tcmalloc", lambda dirs, exists=None: None)
     cfg = load_config(REPO / "configs" / "quickstart.yaml", ["resources.host_allocator=tcmalloc"])
     with pytest.raises(ConfigError, match="resources.host_allocator") as err:
         check_machine(cfg)
