@@ -13,6 +13,10 @@ import math
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+# Where an observation's text is, by field name, in the order looked for (OpenEnv observations are
+# pydantic models or their fields' dicts; each environment names its own).
+TEXT_FIELDS = ("text", "message", "prompt", "content", "observation", "feedback")
+
 
 class EnvFailure(Exception):
     """An environment that raised, hung past its timeout or answered something that is not an

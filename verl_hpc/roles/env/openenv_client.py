@@ -21,8 +21,7 @@ import json
 import threading
 from typing import Any
 
-from verl_hpc.roles.env.base import EnvFailure, EnvReply
-from verl_hpc.roles.env.sources import TEXT_FIELDS
+from verl_hpc.roles.env.base import TEXT_FIELDS, EnvFailure, EnvReply
 
 MAX_IDLE = 256  # sessions kept open per server between episodes
 _IDLE: dict[str, list[Any]] = {}

@@ -18,9 +18,8 @@ import typing
 from collections.abc import Callable
 from typing import Any
 
-from verl_hpc.roles.env.base import EnvFailure, Environment, EnvReply
+from verl_hpc.roles.env.base import TEXT_FIELDS, EnvFailure, Environment, EnvReply
 
-TEXT_FIELDS = ("text", "message", "prompt", "content", "observation", "feedback")
 # TextArena games seed Python's global `random` in reset and draw from it in step: episodes in
 # parallel threads would draw from each other's sequences; each call holds this lock (they are short).
 TEXTARENA_LOCK = threading.Lock()
