@@ -29,8 +29,11 @@ def _restart_under_allocator() -> None:
     from verl_hpc.runtime.process.env import JobEnvironment
     from verl_hpc.utils.host_allocator import local_choice, needs_reexec, reexec
 
-    cfg = load_config(Path(os.environ["VERL_HPC_RUN_DIR"]) / "config.yaml")
-    group, _ = plan_for_config(cfg).locate(JobEnvironment.from_env().rank)
+    try:
+        cfg = load_config(Path(os.environ["VERL_HPC_RUN_DIR"]) / "config.yaml")
+        group, _ = plan_for_config(cfg).locate(JobEnvironment.from_env().rank)
+    except Exception:  # noqa: BLE001 - main() meets the same problem and reports it, signals guarded
+        return
     try:
         chosen = local_choice(cfg.resources.host_allocator, {group.resources.device_type})
     except ValueError as err:
