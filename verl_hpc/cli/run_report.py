@@ -25,23 +25,20 @@ def summary(steps: int, metrics: dict[str, float]) -> str:
 
 
 def restart_under_allocator(cfg: Any, may_restart: bool) -> None:
-    """Say which host allocator this run's processes get; when that needs a preload this process
-    does not have, restart it under one (before torch is loaded here). `may_restart` is False when
-    main() was called from Python (a test, a notebook): that process is not ours to replace."""
+    """Restart this command under the host allocator its run's processes get, when that needs a
+    preload this process does not have (before torch is loaded here). Silent: a bad config must
+    still print one line, and each process logs the allocator it really runs with. `may_restart`
+    is False when main() was called from Python (a test, a notebook): not ours to replace."""
     from verl_hpc.config.placement import plan_for_config
     from verl_hpc.utils.host_allocator import local_choice, needs_reexec, reexec
 
-    devices = {g.resources.device_type for g in plan_for_config(cfg).groups}
-    try:
-        chosen = local_choice(cfg.resources.host_allocator, devices)
-    except ValueError:
-        return  # a missing library: check_machine refuses it by the field's name
     if not may_restart:
         return
-    restart = needs_reexec(chosen, os.environ)
-    if restart or (devices <= {"cpu"} and chosen.name == "glibc"):  # on a CPU the allocator sets the peak
-        print(f"verl-hpc: {chosen.line()}", file=sys.stderr, flush=True)
-    if restart:
+    try:
+        chosen = local_choice(cfg.resources.host_allocator, {g.resources.device_type for g in plan_for_config(cfg).groups})
+    except ValueError:
+        return  # a missing library: check_machine refuses it by the field's name
+    if needs_reexec(chosen, os.environ):
         reexec(chosen)
 
 

@@ -82,6 +82,13 @@ def active_allocator(maps_text: str) -> str:
     return "glibc"
 
 
+def allocator_line(active: str, device_type: str, choice: str) -> str:
+    """The process's log line: what it runs with, and on a CPU under `auto` without TCMalloc, the fix."""
+    hint = f"; {INSTALL_HINT} for a lower peak (docs/memory.md)" if \
+        active == "glibc" and device_type == "cpu" and choice == "auto" else ""
+    return f"memory plan: host allocator {active} (resources.host_allocator: {choice}){hint}"
+
+
 def own_allocator() -> str:
     """`active_allocator` of this process; where there is no /proc, what LD_PRELOAD names."""
     try:

@@ -27,7 +27,7 @@ from verl_hpc.roles.memory.estimate import RUNTIME_GROWTH_CPU
 from verl_hpc.roles.memory.plan import GIB, MemoryPlan, plan_memory
 from verl_hpc.roles.memory.shapes import ModelShape, Switches, Workload
 from verl_hpc.utils.fs import expand_path
-from verl_hpc.utils.host_allocator import own_allocator
+from verl_hpc.utils.host_allocator import allocator_line, own_allocator
 from verl_hpc.utils.logging import get_logger
 
 log = get_logger("memory")
@@ -174,7 +174,7 @@ def plan_process(cfg: RunConfig, seat: MemorySeat, explicit: frozenset[str], act
         plan.decisions, plan.process = [], f"{plan.process} (model.memory_plan: off, the switches as configured)"
     for line in plan.lines():
         log.info("%s", line)
-    log.info("memory plan: host allocator %s; resources.host_allocator chooses it", own_allocator())
+    log.info("%s", allocator_line(own_allocator(), seat.device.type, cfg.resources.host_allocator))
     watch = MemoryWatch(plan, shape, work, locked, mini, cfg.model.memory_budget_gb, seat.device, seat.processes,
                         replan=not off)
     if off:
