@@ -30,15 +30,12 @@ def restart_under_allocator(cfg: Any, may_restart: bool) -> None:
     still print one line, and each process logs the allocator it really runs with. `may_restart`
     is False when main() was called from Python (a test, a notebook): not ours to replace."""
     from verl_hpc.config.placement import plan_for_config
-    from verl_hpc.utils.host_allocator import local_choice, needs_reexec, reexec
+    from verl_hpc.utils.host_allocator import needs_reexec, reexec, usable_choice
 
     if not may_restart:
         return
-    try:
-        chosen = local_choice(cfg.resources.host_allocator, {g.resources.device_type for g in plan_for_config(cfg).groups})
-    except ValueError:
-        return  # a missing library: check_machine refuses it by the field's name
-    if needs_reexec(chosen, os.environ):
+    chosen = usable_choice(cfg.resources.host_allocator, {g.resources.device_type for g in plan_for_config(cfg).groups})
+    if chosen is not None and needs_reexec(chosen, os.environ):
         reexec(chosen)
 
 

@@ -168,9 +168,7 @@ def _supervise(cfg: RunConfig, path: Path, end_time: float | None) -> int:
 def _allocator_env(choice: str, plan: ProcessPlan) -> dict[str, str]:
     """The preload the workers start with when all are on the CPU (one forked server serves them all);
     in a mixed plan each CPU worker restarts itself under it (runtime/worker.py)."""
-    from verl_hpc.utils.host_allocator import local_choice
+    from verl_hpc.utils.host_allocator import usable_choice
 
-    try:
-        return local_choice(choice, {g.resources.device_type for g in plan.groups}).env
-    except ValueError:  # no library for an explicit tcmalloc: check_machine refused it before a launch
-        return {}
+    chosen = usable_choice(choice, {g.resources.device_type for g in plan.groups})
+    return chosen.env if chosen is not None else {}

@@ -140,6 +140,15 @@ def local_choice(choice: str, device_types: set[str]) -> AllocatorChoice:
     return choose_allocator(choice, device_types, os.environ, library)
 
 
+def usable_choice(choice: str, device_types: set[str]) -> AllocatorChoice | None:
+    """`local_choice`, or None where an explicit `tcmalloc` has no library (check_machine refuses
+    that by the field's name, before anything starts)."""
+    try:
+        return local_choice(choice, device_types)
+    except ValueError:
+        return None
+
+
 def reexec(chosen: AllocatorChoice) -> None:
     """Run this process's own command line again under `chosen`'s environment (does not return).
 
