@@ -82,6 +82,43 @@ def test_checkpointing_and_chunks_lower_the_estimate_where_they_act() -> None:
     assert halved.phases["update_actor"] < chunked.phases["update_actor"]
 
 
+def test_a_fresh_runs_first_step_holds_no_gradients_or_moments_until_its_update() -> None:
+    model = shape()
+    steady = estimate(model, STEP, DEFAULTS)
+    first = estimate(model, Workload(**{**STEP.__dict__, "optimizer_state": False}), DEFAULTS)
+    assert "gradients" not in first.resident and "adamw" not in first.resident
+    assert first.phases["gen"] == steady.phases["gen"] and first.phases["ref"] == steady.phases["ref"]
+    # The update's activations dominate this step (no checkpointing): they peak as the steady update
+    # does, less AdamW's moments, which appear only in the optimizer step after them.
+    moments = steady.resident["adamw"]
+    steady_update = steady.resident_bytes + steady.phases["update_actor"]
+    first_update = first.resident_bytes + first.phases["update_actor"]
+    assert abs(first_update - (steady_update - moments)) <= 1
+    # With checkpointing the update is small, and the first optimizer step (gradients and the new
+    # moments at once, on top of the resident set) is the step's peak instead.
+    tight = DEFAULTS.with_(gradient_checkpointing=True, micro_batch_rows=1)
+    first_tight = estimate(model, Workload(**{**STEP.__dict__, "optimizer_state": False}), tight)
+    held = estimate(model, STEP, tight).resident
+    assert first_tight.phases["update_actor"] >= held["gradients"] + held["adamw"]
+    assert first.peak < steady.peak
+
+
+def test_the_watch_asks_the_actors_optimizer_whether_it_holds_state() -> None:
+    from verl_hpc.runtime.step.memory import has_optimizer_state
+
+    class Actor:
+        def __init__(self) -> None:
+            self.weight = torch.nn.Parameter(torch.ones(3))
+            self.optimizer = torch.optim.AdamW([self.weight])
+
+    actor = Actor()
+    assert not has_optimizer_state(actor)  # a fresh run's first step
+    actor.weight.sum().backward()
+    actor.optimizer.step()
+    assert has_optimizer_state(actor)  # every later step, and a resumed run's first
+    assert has_optimizer_state(object())  # nothing to ask: the steady state
+
+
 def test_budget_parsers() -> None:
     assert meminfo_available("MemTotal: 100 kB\nMemAvailable:   2048 kB\n") == 2048 * 1024
     assert cgroup_room("max\n", "123\n") is None  # v2, no limit

@@ -108,6 +108,7 @@ class Workload:
     device: str = "cpu"
     floor_bytes: int = 0                     # the runtime's own (interpreter, libraries): measured
     extra_bytes: dict[str, int] = field(default_factory=dict)  # other models held (a judge), by name
+    optimizer_state: bool = True             # AdamW's moments exist when the step starts (not on a fresh run's first)
 
     @property
     def width(self) -> int:

@@ -27,7 +27,13 @@ from verl_hpc.runtime.build import Roles
 from verl_hpc.runtime.process.deadline import Agreement, TimeBudget, agree_max
 from verl_hpc.runtime.step.baselines import add_greedy_baselines
 from verl_hpc.runtime.step.counters import Timer
-from verl_hpc.runtime.step.memory import MemoryWatch, apply_live, live_switches, observed_shape
+from verl_hpc.runtime.step.memory import (
+    MemoryWatch,
+    apply_live,
+    has_optimizer_state,
+    live_switches,
+    observed_shape,
+)
 from verl_hpc.runtime.step.stages import ActorUpdate, Placement, Seat, StepData, SyncReport, seat_layout
 from verl_hpc.runtime.step.validation import validation_rows
 
@@ -112,6 +118,8 @@ class LocalStages:
         return self.roles.actor
 
     def step_data(self, batch: RolloutBatch) -> StepData:
+        if self.memory_watch is not None:  # before this step's update: did the actor's optimizer hold state?
+            self.memory_watch.optimizer_state = has_optimizer_state(self.roles.actor)
         return StepData(batch, to_device(batch.model_inputs(self.roles.pad_id), self.roles.device))
 
     def rollouts(self, step: int, indices: list[int], policy_version: int, timer: Timer,

@@ -227,6 +227,12 @@ class Observed:
     mean_tokens: float
 
 
+def has_optimizer_state(actor: Any) -> bool:
+    """Whether the actor's optimizer holds state (AdamW's moments); True where there is no optimizer to ask."""
+    optimizer = getattr(actor, "optimizer", None)
+    return True if optimizer is None else bool(optimizer.state)
+
+
 def observed_shape(inputs: dict[str, torch.Tensor]) -> Observed:
     attention, response = inputs["attention_mask"], inputs["response_mask"]
     width = response.shape[1]
@@ -246,21 +252,25 @@ class MemoryWatch:
         self.mini_rows, self.override_gb, self.device, self.processes = mini_rows, override_gb, device, processes
         self.correction = 1.0  # measured / estimated, once a step needed more than planned
         self.replans = 0
+        # Whether AdamW's moments existed when this step started (set by the stages as each step begins):
+        # a fresh run's first step holds neither them nor gradients until its update.
+        self.optimizer_state = True
+
+    def step_work(self, seen: Observed) -> Workload:
+        """The planned workload with the step's real shape and optimizer state."""
+        return replace(self.work, prompt_tokens=seen.prompt_tokens, response_tokens=max(1, seen.response_tokens),
+                       mean_tokens=seen.mean_tokens, optimizer_state=self.optimizer_state)
 
     def estimate_for(self, seen: Observed) -> int:
-        work = replace(self.work, prompt_tokens=seen.prompt_tokens, response_tokens=max(1, seen.response_tokens),
-                       mean_tokens=seen.mean_tokens)
         from verl_hpc.roles.memory.estimate import estimate
 
-        return estimate(self.shape, work, self.plan.switches).peak
+        return estimate(self.shape, self.step_work(seen), self.plan.switches).peak
 
     def estimate_metrics(self, seen: Observed) -> dict[str, float]:
         """`memory/plan_estimate_gb` for the step's real shape, and each phase's (resident + phase)."""
         from verl_hpc.roles.memory.estimate import estimate
 
-        work = replace(self.work, prompt_tokens=seen.prompt_tokens, response_tokens=max(1, seen.response_tokens),
-                       mean_tokens=seen.mean_tokens)
-        est = estimate(self.shape, work, self.plan.switches)
+        est = estimate(self.shape, self.step_work(seen), self.plan.switches)
         out = {"memory/plan_estimate_gb": est.peak / GIB, "memory/plan_budget_gb": self.plan.budget.bytes / GIB}
         out.update({f"memory/plan_gb/{name}": (est.resident_bytes + value) / GIB
                     for name, value in est.phases.items()})
