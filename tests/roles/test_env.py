@@ -6,6 +6,7 @@ import importlib.util
 import json
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -59,7 +60,36 @@ def test_a_textarena_game_is_seeded_and_answers_each_guess() -> None:
     assert won.reward == 1.0 and won.done
 
 
-def _agent(model_dir: Path, env: EnvironmentConfig, max_turns: int = 4, deterministic: bool = False):
+@needs_textarena
+def test_textarena_action_wrappers_format_the_turn_before_the_game_reads_it() -> None:
+    from verl_hpc.config.errors import FieldError
+
+    game = {"min_number": 1, "max_number": 3, "max_turns": 2}
+    bare = make_environment("textarena", "GuessTheNumber-v0", game)
+    bare.reset(seed=3)
+    assert "Invalid move format" in bare.step("2").text  # the game parses only `[2]`
+    wrapped = make_environment("textarena", "GuessTheNumber-v0", game, ["ActionFormattingWrapper"])
+    assert "between 1 and 3 within 2 turns" in wrapped.reset(seed=3).text  # kwargs reach the game
+    target = wrapped.game.state.game_state["game_number"]
+    wrong = 1 if target != 1 else 2
+    assert wrapped.step(str(wrong)).text.startswith("The target number is")  # `2` became `[2]`
+    assert wrapped.step(str(target)).reward == 1.0
+    with pytest.raises(FieldError, match=r"environment\.action_wrappers.*'Brackets'.*ActionFormattingWrapper"):
+        make_environment("textarena", "GuessTheNumber-v0", game, ["Brackets"])
+
+
+def test_action_wrappers_are_refused_for_an_environment_that_is_not_textarena(tmp_path: Path) -> None:
+    from verl_hpc.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"environment\.action_wrappers: .*TextArena's, not source 'python'"):
+        load_config(REPO / "configs" / "agent_quickstart.yaml", [
+            f"model.path={tmp_path / 'm'}", "rollout.multi_turn.environment.source=python",
+            f"rollout.multi_turn.environment.id={PLUGIN}", "rollout.multi_turn.environment.action_wrappers="
+            "[ActionFormattingWrapper]"])
+
+
+def _agent(model_dir: Path, env: EnvironmentConfig, max_turns: int = 4, deterministic: bool = False,
+           **multi_turn: Any):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from verl_hpc.roles.agent import AgentRollout
@@ -69,7 +99,7 @@ def _agent(model_dir: Path, env: EnvironmentConfig, max_turns: int = 4, determin
     tok = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
     engine = HFRolloutEngine(AutoModelForCausalLM.from_pretrained(model_dir), tok)
     cfg = MultiTurnConfig(enable=True, environment=env, max_assistant_turns=max_turns,
-                          deterministic_rounds=deterministic)
+                          deterministic_rounds=deterministic, **multi_turn)
     return AgentRollout(cfg, engine, tok, stop_token_ids(tok, str(model_dir)), 512), tok
 
 
@@ -110,6 +140,31 @@ def test_environment_turns_are_inserted_user_turns_and_rewards_add_up(agent_dir:
             assert text in inserted  # the environment's text is never the model's: loss mask 0
     metrics = agent.metrics()
     assert metrics["env/failures"] == 0 and metrics["env/steps/mean"] > 0
+    agent.close()
+
+
+@needs_textarena
+def test_a_turn_cut_at_max_tokens_per_turn_is_a_whole_turn_the_game_answers(agent_dir: Path) -> None:
+    import torch
+
+    env = EnvironmentConfig(source="textarena", id="GuessTheNumber-v0", action_wrappers=["ActionFormattingWrapper"],
+                            kwargs={"min_number": 1, "max_number": 3, "max_turns": 3})
+    agent, tok = _agent(agent_dir, env, max_turns=3, deterministic=True, max_tokens_per_turn=1)
+    torch.manual_seed(0)
+    batch, records = _rows(agent, 8)
+    eot = tok.convert_tokens_to_ids("<|im_end|>")
+    masks, responses = batch.column("loss_mask").to_pylist(), batch.column("response_ids").to_pylist()
+    played = 0
+    for record, mask, ids in zip(records, masks, responses, strict=True):
+        answers = [m for m in record["messages"] if m["role"] == "assistant"]
+        assert sum(mask) == len(answers) <= 3  # one sampled token per turn
+        for at, (token, trained) in enumerate(zip(ids[:-1], mask[:-1], strict=True)):
+            if trained and token != eot:  # a cut turn: its close is the template's, not trained on
+                assert ids[at + 1] == eot and mask[at + 1] == 0
+        if not any(m["role"] == "tool" for m in record["messages"]):  # (a cut `<tool_call>` is a tool turn)
+            assert record["env_steps"] == len(answers)  # every turn, cut or closed, reached the game
+            played += len(answers) > 1
+    assert played  # and the game answered: episodes went on past their first turn
     agent.close()
 
 

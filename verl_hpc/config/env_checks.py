@@ -16,6 +16,15 @@ ENV = "rollout.multi_turn.environment"
 def check_environment(cfg: RunConfig) -> None:
     check_env_workers(cfg)
     check_self_play(cfg)
+    check_action_wrappers(cfg)
+
+
+def check_action_wrappers(cfg: RunConfig) -> None:
+    """Action wrappers are TextArena's (their names are checked when the game is first built)."""
+    env = cfg.rollout.multi_turn.environment
+    if env is not None and env.action_wrappers and env.source != "textarena":
+        raise FieldError(f"{ENV}.action_wrappers", f"action wrappers are TextArena's, not source {env.source!r}'s",
+                         "format the action in the environment's own step(), or use source: textarena")
 
 
 def check_env_workers(cfg: RunConfig) -> None:

@@ -52,6 +52,10 @@ class EnvironmentConfig(StrictModel):
     num_workers: int = Field(0, ge=0, description="worker processes holding the environments (a crash or hang "
                              "costs their episodes, not the rollout; a dead worker is started again); 0 = "
                              "threads of the rollout process")
+    action_wrappers: list[str] = Field(default_factory=list, description="TextArena action wrappers by name "
+                                       "(`textarena.wrappers`), outermost first, that each model turn goes "
+                                       "through before the game reads it: ActionFormattingWrapper brackets a bare "
+                                       "`7` into the `[7]` games parse; textarena only")
     players: int = Field(1, ge=1, le=2, description="2: self-play, the policy plays both seats of a two-player "
                          "TextArena game (e.g. TicTacToe-v0); the samples of a prompt pair into matches (sample 2k "
                          "seat 0, 2k+1 seat 1, the row's seed), each seat an episode with its own reward")
@@ -81,6 +85,10 @@ class MultiTurnConfig(StrictModel):
                                         "message to the model")
     tool_workers: int = Field(64, ge=1, description="tool calls running at once, over all episodes of a step "
                               "(threads: a call waiting on I/O costs a thread, not a core)")
+    max_tokens_per_turn: int | None = Field(None, ge=1, description="tokens one model turn samples at most; a "
+                                            "turn reaching it ends there as if the model had closed it (the "
+                                            "template writes its end-of-turn, untrained), and goes to the tools "
+                                            "or the environment. Unset = only the episode's budgets")
     max_response_tokens: int | None = Field(None, ge=1, description="the whole response (model and inserted "
                                             "tokens) at most; an episode reaching it ends truncated. Unset = "
                                             "the model's context minus the prompt")

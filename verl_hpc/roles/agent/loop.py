@@ -95,6 +95,8 @@ class AgentLoop:
     def budget(self, episode: Episode, max_new_tokens: int) -> int:
         """Tokens the episode's next turn may sample: the model's budget left, within the length caps."""
         left = max_new_tokens - episode.model_tokens
+        if self.cfg.max_tokens_per_turn is not None:
+            left = min(left, self.cfg.max_tokens_per_turn)
         if self.cfg.max_response_tokens is not None:
             left = min(left, self.cfg.max_response_tokens - len(episode.response_ids))
         if self.max_context is not None:
@@ -181,6 +183,9 @@ class AgentLoop:
         closed = bool(ids) and ids[-1] in self.eot_ids
         episode.last_close = self.tokenizer.decode(ids[-1:], skip_special_tokens=False) if closed else ""
         text = self.tokenizer.decode(ids[:-1] if closed else ids, skip_special_tokens=False)
+        per_turn = self.cfg.max_tokens_per_turn
+        # A turn cut at the per-turn cap is a whole turn: the template writes its close (untrained).
+        ended = closed or (per_turn is not None and len(ids) >= per_turn)
         parsed = self.parser.parse(text)
         message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
         valid = [c.message_form() for c in parsed.calls if c.error is None]
@@ -189,10 +194,10 @@ class AgentLoop:
         episode.messages.append(message)
         if not parsed.calls:
             episode.final_answer = self._clean(parsed.content)
-            if self.envs is not None and closed and not episode.env_failed and not episode.env_done:
+            if self.envs is not None and ended and not episode.env_failed and not episode.env_done:
                 self.step_environment(episode)
                 return
-            episode.end(finished=closed, truncated=not closed)
+            episode.end(finished=ended, truncated=not ended)
             return
         out_of_turns = episode.assistant_turns >= self.cfg.max_assistant_turns or \
             episode.tool_turns >= self.cfg.user_turns
@@ -202,12 +207,16 @@ class AgentLoop:
         episode.pending = self.runner.submit(episode.name, parsed.calls, episode.tools_kwargs)
 
     def step_environment(self, episode: Episode) -> None:
-        """The final turn goes to the episode's environment, unless it has no reply turn left."""
-        if episode.assistant_turns >= self.cfg.max_assistant_turns or episode.tool_turns >= self.cfg.user_turns \
-                or self.budget(episode, self.max_new_tokens) <= 0:
-            episode.end(finished=True, truncated=True)  # the game goes on, the episode's budget does not
-            return
+        """The final turn goes to the episode's environment, its last turn too: a move the model made is
+        played and its reward and `done` count, even when no turn is left to read the answer (as
+        TRL's and OpenEnv's rollout loops step every action; dropping it would make the last guess
+        of a game worthless to learn)."""
         episode.pending = self.envs.submit(episode.name, episode.final_answer)  # type: ignore[union-attr]
+
+    def out_of_turns(self, episode: Episode) -> bool:
+        """No model turn left to answer an observation: the turns, the user turns or the tokens ran out."""
+        return episode.assistant_turns >= self.cfg.max_assistant_turns or \
+            episode.tool_turns >= self.cfg.user_turns or self.budget(episode, self.max_new_tokens) <= 0
 
     def take_env_reply(self, episode: Episode, outcome: EnvOutcome, moved: bool = False) -> None:
         """The environment's observation becomes the next user turn; `done` or a failure ends the episode.
@@ -215,6 +224,9 @@ class AgentLoop:
         episode.env_seconds += outcome.seconds
         if outcome.later is not None:  # the move is made; the next observation follows the other seat's
             episode.env_steps += 1
+            if self.out_of_turns(episode):  # its last move: the game goes on, the episode's budget does not
+                episode.end(finished=True, truncated=True)
+                return
             episode.pending = outcome.later
             return
         if outcome.reply is None and episode.assistant_turns == 0:  # a second seat's game failed unplayed:
@@ -237,6 +249,9 @@ class AgentLoop:
         if outcome.reply.done:
             episode.env_done = True
             episode.end(finished=True, truncated=False)
+            return
+        if self.out_of_turns(episode):  # its last move was played; the answer has no turn to go to
+            episode.end(finished=True, truncated=True)
             return
         self.insert(episode, [{"role": "user", "content": outcome.reply.text}])
 

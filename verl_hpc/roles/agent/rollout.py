@@ -54,9 +54,9 @@ def env_runner(multi_turn: Any, num_workers: int | None = None, home: Any = None
     env = multi_turn.environment
     if env is None:
         return None
-    from verl_hpc.roles.env.sources import make_environment
+    from verl_hpc.roles.env.sources import env_spec, make_environment
 
-    make_environment(env.source, env.id, env.kwargs).close()  # a bad id or class: refused before any step
+    make_environment(env.source, env.id, env.kwargs, env.action_wrappers).close()  # a bad id or class: refused before any step
     count = env.num_workers if num_workers is None else num_workers
     if home is not None or count > 0:
         from verl_hpc.roles.env.workers import ProcessEnvRunner
@@ -66,13 +66,13 @@ def env_runner(multi_turn: Any, num_workers: int | None = None, home: Any = None
 
             log.info("environment workers: %d of the env component (%s)", home.num_workers, home.directory)
             return ProcessEnvRunner(remote_starter(home, RECONNECT_S), home.num_workers, env.timeout_seconds)
-        spec = {"source": env.source, "id": env.id, "kwargs": env.kwargs, "threads": env.workers}
-        return ProcessEnvRunner.local(spec, count, env.timeout_seconds)
+        return ProcessEnvRunner.local(env_spec(env), count, env.timeout_seconds)
     if env.players == 2:  # self-play: both seats of each match in threads here (config/env_checks.py)
         from verl_hpc.roles.env.match import MatchRunner
 
-        return MatchRunner(env.id, env.kwargs, env.workers, env.timeout_seconds)
-    return EnvRunner(lambda: make_environment(env.source, env.id, env.kwargs), env.workers, env.timeout_seconds)
+        return MatchRunner(env.id, env.kwargs, env.workers, env.timeout_seconds, env.action_wrappers)
+    return EnvRunner(lambda: make_environment(env.source, env.id, env.kwargs, env.action_wrappers), env.workers,
+                     env.timeout_seconds)
 
 
 def checked_renderer(multi_turn: Any, tokenizer: Any, schemas: list[dict[str, Any]]) -> ChatRenderer:

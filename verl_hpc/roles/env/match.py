@@ -24,7 +24,7 @@ from typing import Any
 
 from verl_hpc.roles.env.base import EnvFailure, EnvReply
 from verl_hpc.roles.env.runner import EnvOutcome, ParkedFuture, call_within
-from verl_hpc.roles.env.sources import TEXTARENA_LOCK
+from verl_hpc.roles.env.sources import TEXTARENA_LOCK, textarena_game
 
 PLAYERS = 2
 LEFT = "The other player left the game before it ended."
@@ -44,6 +44,7 @@ class Match:
     """One game and what its seats wait for."""
 
     game: Any
+    mover: Any  # what a move goes through: the game, inside the run's TextArena action wrappers
     waiting: dict[int, ParkedFuture] = field(default_factory=dict)  # seat -> its next observation
     over: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -52,22 +53,20 @@ class Match:
 class MatchRunner:
     """`EnvCalls` for self-play (`environment.players: 2`): matches in threads of this process."""
 
-    def __init__(self, game_id: str, kwargs: dict[str, Any], workers: int, timeout: float):
+    def __init__(self, game_id: str, kwargs: dict[str, Any], workers: int, timeout: float,
+                 action_wrappers: list[str] | tuple[str, ...] = ()):
         self.game_id, self.kwargs, self.timeout = game_id, dict(kwargs), timeout
+        self.action_wrappers = tuple(action_wrappers)
         self.pool = cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="verl-hpc-match")
         self.matches: dict[str, Match] = {}
         self.where: dict[str, tuple[str, int]] = {}  # episode -> (match, seat)
         self._lock = threading.Lock()
 
-    def _new_game(self, seed: int | None, kwargs: dict[str, Any]) -> Any:
-        import textarena
-
-        game = textarena.make(self.game_id, **self.kwargs)
-        while hasattr(game, "env"):  # the LLM wrappers re-send the whole history; turns need only what is new
-            game = game.env
+    def _new_game(self, seed: int | None, kwargs: dict[str, Any]) -> tuple[Any, Any]:
+        game, mover = textarena_game(self.game_id, self.kwargs, self.action_wrappers)
         with TEXTARENA_LOCK:
             game.reset(num_players=PLAYERS, seed=seed, **kwargs)
-        return game
+        return game, mover
 
     def reset_all(self, starts: list[tuple[str, int | None, dict[str, Any]]]) -> list[EnvOutcome]:
         """Every match started (seed of its seat-0 sample's row); the seat to move gets its first
@@ -89,8 +88,8 @@ class MatchRunner:
             return {episode: EnvOutcome(None, why) for _, episode, _, _ in seats}
         seat0 = next(s for s in seats if s[0] == 0)
         try:
-            game = call_within(lambda: self._new_game(seat0[2], seat0[3]), self.timeout)
-            match = Match(game)
+            game, mover = call_within(lambda: self._new_game(seat0[2], seat0[3]), self.timeout)
+            match = Match(game, mover)
             mover, text = call_within(lambda: self._observe(match), self.timeout)
         except EnvFailure as err:
             return {episode: EnvOutcome(None, str(err), time.perf_counter() - began) for _, episode, _, _ in seats}
@@ -156,7 +155,7 @@ class MatchRunner:
     @staticmethod
     def _step(match: Match, action: str) -> bool:
         with TEXTARENA_LOCK:
-            done, _ = match.game.step(action)
+            done, _ = match.mover.step(action)
         return bool(done)
 
     def _end(self, match: Match, seat: int, began: float) -> EnvOutcome:

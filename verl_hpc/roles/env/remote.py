@@ -201,8 +201,9 @@ def _wait(process: subprocess.Popen) -> int:
 
 def worker_spec(cfg: Any) -> dict[str, Any]:
     """What a worker needs of the config: the environment and its threads."""
-    env = cfg.rollout.multi_turn.environment
-    return {"source": env.source, "id": env.id, "kwargs": env.kwargs, "threads": env.workers}
+    from verl_hpc.roles.env.sources import env_spec
+
+    return env_spec(cfg.rollout.multi_turn.environment)
 
 
 def main(argv: list[str]) -> int:

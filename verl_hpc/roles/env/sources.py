@@ -25,16 +25,36 @@ from verl_hpc.roles.env.base import TEXT_FIELDS, EnvFailure, Environment, EnvRep
 TEXTARENA_LOCK = threading.Lock()
 
 
+def textarena_game(game_id: str, kwargs: dict[str, Any], action_wrappers: list[str] | tuple[str, ...] = ()
+                   ) -> tuple[Any, Any]:
+    """(the game, what a move goes through): `textarena.make`'s wrappers stripped, since its LLM
+    observation wrappers re-send the whole history and a turn needs only what is new; then the named
+    action wrappers (`textarena.wrappers`, outermost first) put back around the bare game."""
+    import textarena
+    from textarena import wrappers
+
+    game = textarena.make(game_id, **kwargs)
+    while hasattr(game, "env"):
+        game = game.env
+    mover = game
+    for name in reversed(list(action_wrappers)):
+        wrapper = getattr(wrappers, name, None)
+        if not (isinstance(wrapper, type) and issubclass(wrapper, textarena.ActionWrapper)):
+            from verl_hpc.config.errors import FieldError
+
+            known = sorted(n for n in dir(wrappers) if isinstance(getattr(wrappers, n), type)
+                           and issubclass(getattr(wrappers, n), textarena.ActionWrapper))
+            raise FieldError(f"{ENV_FIELD}.action_wrappers", f"{name!r} is not a TextArena action wrapper",
+                             f"one of {', '.join(known)}")
+        mover = wrapper(mover)
+    return game, mover
+
+
 class TextArenaEnvironment:
     """One TextArena game, played by the model as player 0."""
 
-    def __init__(self, game_id: str, **kwargs: Any):
-        import textarena
-
-        made = textarena.make(game_id, **kwargs)
-        while hasattr(made, "env"):  # the LLM wrappers re-send the whole history; turns need only what is new
-            made = made.env
-        self.game = made
+    def __init__(self, game_id: str, action_wrappers: list[str] | tuple[str, ...] = (), **kwargs: Any):
+        self.game, self.mover = textarena_game(game_id, kwargs, action_wrappers)
 
     def _news(self) -> str:
         _, messages = self.game.get_observation()
@@ -47,7 +67,7 @@ class TextArenaEnvironment:
 
     def step(self, action: str) -> EnvReply:
         with TEXTARENA_LOCK:
-            done, _ = self.game.step(action)
+            done, _ = self.mover.step(action)
             news = self._news()
             if not done:
                 return EnvReply.checked(news)
@@ -117,11 +137,18 @@ class ClassEnvironment:
 ENV_FIELD = "rollout.multi_turn.environment"
 
 
-def make_environment(source: str, ref: str, kwargs: dict[str, Any] | None = None) -> Environment:
+def env_spec(env: Any) -> dict[str, Any]:
+    """What builds the environment of an episode, as plain data a worker process is sent."""
+    return {"source": env.source, "id": env.id, "kwargs": dict(env.kwargs),
+            "action_wrappers": list(env.action_wrappers), "threads": env.workers}
+
+
+def make_environment(source: str, ref: str, kwargs: dict[str, Any] | None = None,
+                     action_wrappers: list[str] | tuple[str, ...] = ()) -> Environment:
     """A new environment for one episode (a class that cannot be imported: FieldError naming the field)."""
     kwargs = dict(kwargs or {})
     if source == "textarena":
-        return TextArenaEnvironment(ref, **kwargs)
+        return TextArenaEnvironment(ref, action_wrappers, **kwargs)
     if source == "python":
         from verl_hpc.config.user_code import import_callable
 

@@ -81,7 +81,8 @@ def serve_connection(conn: Connection, spec: dict[str, Any], pool: cf.ThreadPool
     def answer(request_id: int, op: str, episode: str, payload: Any) -> None:
         try:
             if op == "reset":
-                envs[episode] = make_environment(spec["source"], spec["id"], spec.get("kwargs"))
+                envs[episode] = make_environment(spec["source"], spec["id"], spec.get("kwargs"),
+                                                 spec.get("action_wrappers", ()))
                 reply = envs[episode].reset(seed=payload[0], **payload[1])
             elif op == "step":
                 reply = envs[episode].step(payload)
