@@ -262,14 +262,17 @@ def test_update_resource_during_a_run_resizes_it(tmp_path: Path, tiny_model_dir:
                                 "resources.reward={device_type: cpu, device_ids: [3], strategy: data_parallel}"])
     requested: list[Path | None] = []
 
-    def resize_after_first_step() -> None:
-        metrics = run_dir / "tensorboard" / "metrics.jsonl"
+    def resize_once_running() -> None:
+        # As soon as the run has written its config (its workers are starting): the request then
+        # lands at step 1's boundary. Waiting for step 1's metrics raced the run's end: the tiny
+        # model's six steps can take less than a second once its workers are up.
+        config = run_dir / "config.yaml"
         deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and not (metrics.is_file() and read_jsonl_metrics(metrics)):
-            time.sleep(0.2)
+        while time.monotonic() < deadline and not config.is_file():
+            time.sleep(0.05)
         requested.append(trainer.update_resource(component="reward", device_ids=[3, 4], strategy="data_parallel"))
 
-    helper = threading.Thread(target=resize_after_first_step, daemon=True)
+    helper = threading.Thread(target=resize_once_running, daemon=True)
     helper.start()
     result = trainer.train()
     helper.join(timeout=60)
