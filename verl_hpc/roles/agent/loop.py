@@ -199,9 +199,7 @@ class AgentLoop:
                 return
             episode.end(finished=ended, truncated=not ended)
             return
-        out_of_turns = episode.assistant_turns >= self.cfg.max_assistant_turns or \
-            episode.tool_turns >= self.cfg.user_turns
-        if out_of_turns or self.budget(episode, self.max_new_tokens) <= 0:
+        if self.out_of_turns(episode):
             episode.end(finished=False, truncated=True)  # it asked for a tool it has no turn left to use
             return
         episode.pending = self.runner.submit(episode.name, parsed.calls, episode.tools_kwargs)

@@ -144,6 +144,12 @@ def generation(model: ModelShape, work: Workload, switches: Switches) -> float:
     return kv + kept_logits + max(step, prefill)
 
 
+def optimizer_bytes(model: ModelShape, work: Workload) -> tuple[int, int]:
+    """(gradients, AdamW's two fp32 moments) of what trains; gradients stay until the next zero_grad."""
+    trainable = work.trainable if work.trainable is not None else model.params
+    return int(trainable * work.param_bytes / work.shards), int(2 * trainable * FP32 / work.shards)
+
+
 def resident(model: ModelShape, work: Workload, switches: Switches) -> dict[str, int]:
     """What a process holds through every phase of a step after the first (AdamW's moments exist)."""
     weights = model.params * work.param_bytes / work.shards
@@ -152,10 +158,8 @@ def resident(model: ModelShape, work: Workload, switches: Switches) -> dict[str,
         out["weights"] = int(weights)
     if work.engine == "hf" and work.trains:
         out["engine_weights"] = int(weights)  # an engine with its own copy (split, or an FSDP actor)
-    if work.trains:
-        trainable = work.trainable if work.trainable is not None else model.params
-        out["gradients"] = int(trainable * work.param_bytes / work.shards)  # kept until the next zero_grad
-        out["adamw"] = int(2 * trainable * FP32 / work.shards)
+    if work.trains and work.optimizer_state:  # a fresh run's first step holds neither until its update
+        out["gradients"], out["adamw"] = optimizer_bytes(model, work)
     if work.ref and not (switches.ref_offload and work.device == "cuda"):
         out["ref_weights"] = int(weights)
     if work.critic:
@@ -176,16 +180,15 @@ def estimate(model: ModelShape, work: Workload, switches: Switches) -> Estimate:
         phases["old_log_prob"] = no_grad_pass(model, work, switches)
     if work.critic:
         phases["values"] = no_grad_pass(model, work, switches)
-    held = resident(model, work, switches)
     if work.trains:
         phases["update_actor"] = (max(update_pass(model, work, switches), optimizer_step(model, work))
-                                  if work.optimizer_state else first_update(model, work, switches, held))
+                                  if work.optimizer_state else first_update(model, work, switches))
     if work.critic:
         phases["update_critic"] = update_pass(model, work, switches)
-    return Estimate(held, {k: int(math.ceil(v)) for k, v in phases.items()})
+    return Estimate(resident(model, work, switches), {k: int(math.ceil(v)) for k, v in phases.items()})
 
 
-def first_update(model: ModelShape, work: Workload, switches: Switches, held: dict[str, int]) -> float:
+def first_update(model: ModelShape, work: Workload, switches: Switches) -> float:
     """A fresh run's first update, on top of a resident set without gradients or AdamW's moments.
 
     Why its own case: until the first optimizer step neither exists, so generation and the
@@ -193,8 +196,7 @@ def first_update(model: ModelShape, work: Workload, switches: Switches, held: di
     moments appear in `optimizer.step()`, after the activations are gone. Comparing the first
     step's peak with the steady state's estimate would read as a 20-30% over-estimate on a
     small model (and would hide an under-estimate of the rest from the re-plan's check).
-    Takes the two entries out of `held`.
     """
-    grads, moments = held.pop("gradients", 0), held.pop("adamw", 0)
+    grads, moments = optimizer_bytes(model, work)
     # The steady update subtracts the gradients zero_grad frees; here there were none to free.
     return max(update_pass(model, work, switches) + grads, grads + moments + optimizer_step(model, work))
