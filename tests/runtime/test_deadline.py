@@ -247,6 +247,34 @@ def test_settled_waits_for_an_async_save_from_another_thread(tmp_path: Path, mon
     assert manager.wait().name == "step_00000001" and manager.settled(timeout=0)
 
 
+
+def test_a_write_that_ends_at_once_still_commits_off_the_trainers_thread(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A write done before save() returns must not commit (hash, fsync, rename) on the caller's thread."""
+    import threading
+
+    from verl_hpc.checkpoint import manager as manager_module
+    from verl_hpc.checkpoint.manager import COMMIT_DELAY_ENV, CheckpointManager
+
+    real_async_save = manager_module.dcp.async_save
+
+    def write_then_return(*args, **kwargs):  # the race seen in CI: the upload is done before we look
+        response = real_async_save(*args, **kwargs)
+        getattr(response, "upload_completion", response).result()
+        return response
+
+    monkeypatch.setattr(manager_module.dcp, "async_save", write_then_return)
+    monkeypatch.setenv(COMMIT_DELAY_ENV, "1.0")
+    committed_on: list[str] = []
+    manager = CheckpointManager(tmp_path / "ckpt", async_save=True)
+    real_commit = manager._commit
+    monkeypatch.setattr(manager, "_commit", lambda *a: (committed_on.append(threading.current_thread().name),
+                                                        real_commit(*a)))
+    manager.save(1, {"w": torch.zeros(4)}, {})
+    assert manager.pending_since is not None
+    assert manager.wait().name == "step_00000001"
+    assert committed_on and committed_on[0] != threading.current_thread().name
+
 # --- the attempt's record and `verl-hpc status` ------------------------------------------------
 
 def test_an_abandoned_step_is_recorded_at_once_and_merged_with_the_attempt(tmp_path: Path) -> None:

@@ -28,7 +28,7 @@ import shutil
 import time
 import uuid
 from collections.abc import Mapping
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from datetime import timedelta
 from pathlib import Path
@@ -153,6 +153,7 @@ class CheckpointManager:
         self._stager = _ReusedStager() if reuse_staging else None
         self._write_threads = max(1, write_threads)
         self._pending: Future | None = None
+        self._commit_thread: ThreadPoolExecutor | None = None
         self._pending_since: float | None = None  # monotonic start of the async save in flight
         self.commits: list[dict[str, Any]] = []  # rank 0: step, save_seconds, bytes of each commit, unread
         self.write_seconds: list[float] = []    # every rank: start to commit of each save, unread
@@ -213,26 +214,27 @@ class CheckpointManager:
         response = dcp.async_save(tensor_state, storage_writer=writer, process_group=self._side_group,
                                   async_stager=self._stager)
         upload = getattr(response, "upload_completion", response)
-        done: Future = Future()
-        upload.add_done_callback(lambda fut: self._after_write(fut, done, partial, info))
-        self._pending, self._pending_since = done, info["clock"]
+        # The commit runs on our own thread, never inline: a write that ends before a callback is
+        # attached would run the callback (hashing, fsync, the commit) on the trainer's thread.
+        self._pending = self._committer().submit(self._commit_after_write, upload, partial, info)
+        self._pending_since = info["clock"]
         return self.root / step_dir_name(step)
 
-    def _after_write(self, written: Future, done: Future, partial: Path, info: dict[str, Any]) -> None:
-        """Runs in DCP's writer thread when the async write ends: commit, then resolve `done`."""
+    def _committer(self) -> ThreadPoolExecutor:
+        """One thread, so commits happen in save order (their collectives must match on every rank)."""
+        if self._commit_thread is None:
+            self._commit_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-commit")
+        return self._commit_thread
+
+    def _commit_after_write(self, written: Future, partial: Path, info: dict[str, Any]) -> Path:
+        """Waits for DCP's async write, then commits; an error is kept for whoever waits."""
         try:
             written.result()
-        except BaseException as err:  # handed to whoever waits (DCP's CheckpointException is a BaseException)
-            try:
-                interrupted = isinstance(err, (KeyboardInterrupt, SystemExit))
-                done.set_exception(err if interrupted else self._write_error(partial, info, err))
-            except BaseException:  # never leave `done` unresolved: the trainer waits on it
-                done.set_exception(err)
-            return
-        try:
-            done.set_result(self._finish(partial, info))
-        except BaseException as err:  # handed to whoever waits
-            done.set_exception(err)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as err:  # DCP's CheckpointException is a BaseException; ENOSPC hides in it
+            raise self._write_error(partial, info, err) from err
+        return self._finish(partial, info)
 
     def _write_error(self, partial: Path, info: dict[str, Any], err: BaseException) -> CheckpointError:
         """One line that says what failed, how much space is left, and which checkpoint still holds.
