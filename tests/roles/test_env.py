@@ -13,7 +13,7 @@ import pytest
 from tests.conftest import REPO
 from verl_hpc.config import SamplingConfig
 from verl_hpc.config.multi_turn import EnvironmentConfig, MultiTurnConfig
-from verl_hpc.data.trajectory import environment_score
+from verl_hpc.data.trajectory import environment_score, environment_win
 from verl_hpc.roles.env import EnvFailure, EnvReply, EnvRunner, make_environment
 
 PLUGIN = f"{REPO / 'tests' / 'plugins' / 'agent_envs.py'}:CountdownEnv"
@@ -118,6 +118,12 @@ def _rows(agent, rows: int, modes: list[str] | None = None):
                        SamplingConfig(n=1, max_new_tokens=24), version=2)
     return batch, [json.loads(t) for t in batch.column("trajectory").to_pylist()]
 
+
+def test_environment_win_pays_a_won_game_and_not_a_games_partial_credit() -> None:
+    assert environment_win(extra_info={"env_done": True, "env_reward": 1.0}) == 1.0
+    assert environment_win(extra_info={"env_done": True, "env_reward": 0.67}) == 0.0  # the turn limit's credit
+    assert environment_win(extra_info={"env_done": False, "env_reward": 1.0}) == 0.0  # an episode cut short
+    assert environment_win(extra_info={"env_failed": True}) == environment_win() == 0.0
 
 def test_environment_turns_are_inserted_user_turns_and_rewards_add_up(agent_dir: Path) -> None:
     import torch

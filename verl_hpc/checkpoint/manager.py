@@ -153,7 +153,8 @@ class CheckpointManager:
         self._stager = _ReusedStager() if reuse_staging else None
         self._write_threads = max(1, write_threads)
         self._pending: Future | None = None
-        self._commit_thread: ThreadPoolExecutor | None = None
+        # One thread (started at the first async save): commits in save order, their collectives matching.
+        self._commit_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-commit")
         self._pending_since: float | None = None  # monotonic start of the async save in flight
         self.commits: list[dict[str, Any]] = []  # rank 0: step, save_seconds, bytes of each commit, unread
         self.write_seconds: list[float] = []    # every rank: start to commit of each save, unread
@@ -216,15 +217,9 @@ class CheckpointManager:
         upload = getattr(response, "upload_completion", response)
         # The commit runs on our own thread, never inline: a write that ends before a callback is
         # attached would run the callback (hashing, fsync, the commit) on the trainer's thread.
-        self._pending = self._committer().submit(self._commit_after_write, upload, partial, info)
+        self._pending = self._commit_thread.submit(self._commit_after_write, upload, partial, info)
         self._pending_since = info["clock"]
         return self.root / step_dir_name(step)
-
-    def _committer(self) -> ThreadPoolExecutor:
-        """One thread, so commits happen in save order (their collectives must match on every rank)."""
-        if self._commit_thread is None:
-            self._commit_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-commit")
-        return self._commit_thread
 
     def _commit_after_write(self, written: Future, partial: Path, info: dict[str, Any]) -> Path:
         """Waits for DCP's async write, then commits; an error is kept for whoever waits."""

@@ -63,3 +63,14 @@ def environment_score(prompt: str = "", response: str = "", ground_truth: str = 
                       extra_info: dict[str, Any] | None = None, **_: object) -> float:
     """An episode's score as its environment gave it: the sum of its per-step rewards (0 if it failed)."""
     return float((extra_info or {}).get("env_reward") or 0.0)
+
+
+def environment_win(prompt: str = "", response: str = "", ground_truth: str = "",
+                    extra_info: dict[str, Any] | None = None, **_: object) -> float:
+    """1.0 for an episode the environment ended with a full reward (a won game), else 0.0.
+
+    Why: games such as TextArena's GuessTheNumber pay partial credit for an unwon game's end
+    (an invalid move, the turn limit), which a policy can learn to collect instead of winning.
+    """
+    info = extra_info or {}
+    return 1.0 if info.get("env_done") and float(info.get("env_reward") or 0.0) >= 1.0 else 0.0
