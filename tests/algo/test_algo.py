@@ -394,6 +394,8 @@ def test_a_non_finite_gradient_skips_the_step_for_actor_and_critic_alike() -> No
     role.model(torch.ones(1, 3)).sum().backward()
     assert math.isfinite(role.clip_and_step())
     assert not torch.equal(role.model.weight, before)
+    # Stepped or skipped, no gradient outlives the step (the next generation would carry it).
+    assert all(p.grad is None for p in role.model.parameters())
     restored = OptimizedModel(torch.nn.Linear(3, 1), OptimConfig(lr=0.1), total_steps=10)
     restored.load_state_dict(role.state_dict())
     assert torch.equal(restored.model.weight, role.model.weight)

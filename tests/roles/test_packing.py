@@ -10,6 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.runtime.test_runtime_embedded import gradients_at_the_step
 from verl_hpc.config import AlgorithmConfig
 from verl_hpc.config.schema import OptimConfig
 from verl_hpc.roles.actor import Actor, UpdatePlan
@@ -87,9 +88,9 @@ def test_packed_critic_values_and_actor_update_equal_the_padded_ones(model_dir: 
     for remove_padding in (False, True):
         actor = Actor(copy.deepcopy(base), AlgorithmConfig(), OptimConfig(lr=1e-2), 1, chunk_tokens=0,
                       remove_padding=remove_padding)
-        stats.append(actor.update(inputs, UpdatePlan(12, 6, 1)))
         # The gradients of the step (AdamW's step itself turns float noise on ~0 gradients into +-lr).
-        grads.append({n: p.grad for n, p in actor.model.named_parameters()})
+        grads.append(gradients_at_the_step(actor))
+        stats.append(actor.update(inputs, UpdatePlan(12, 6, 1)))
     for key in ("pg_loss", "entropy", "grad_norm"):
         assert stats[1][key] == pytest.approx(stats[0][key], abs=1e-5), key
     for name, grad in grads[0].items():

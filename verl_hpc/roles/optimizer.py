@@ -45,13 +45,16 @@ class OptimizedModel:
         self.optimizer, self.scheduler = build_optimizer(trainable, optim, total_steps)
 
     def clip_and_step(self) -> float:
-        """Clip the gradient norm and step; a non-finite norm skips the step. Returns the norm."""
+        """Clip the gradient norm and step; a non-finite norm skips the step. Returns the norm.
+
+        The gradients are freed either way: they live only inside an optimizer step, so the next
+        step's generation and log-prob passes do not carry a model-sized copy nobody reads.
+        """
         max_norm = self.optim_cfg.grad_clip or float("inf")
         grad_norm = to_float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
-        if math.isfinite(grad_norm):
+        if math.isfinite(grad_norm):  # a non-finite gradient would poison the weights: skip the step
             self.optimizer.step()
-        else:  # a non-finite gradient would poison the weights: skip this step, keep training
-            self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=True)
         return grad_norm
 
     def state_dict(self) -> dict:

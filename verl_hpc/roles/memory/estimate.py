@@ -1,11 +1,11 @@
 """The peak memory of one process's step, from shapes alone: a pure function of model, workload, switches.
 
-Why phases: a step's memory is what stays resident (weights, gradients, AdamW's two
-moments, the reference, the runtime's own) plus the largest of what each phase holds for a
-moment: generation (the KV cache and the per-step logits `generate` returns), the no-grad
-log-prob passes (one layer's activations, the log-prob head), and the update (every
-layer's activations kept for backward, or only each layer's input under activation
-checkpointing plus one layer recomputed). The peak is the resident part plus the largest
+Why phases: a step's memory is what stays resident (weights, AdamW's two moments, the
+reference, the runtime's own) plus the largest of what each phase holds for a moment:
+generation (the KV cache and the per-step logits `generate` returns), the no-grad log-prob
+passes (one layer's activations, the log-prob head), and the update (every layer's
+activations kept for backward, or only each layer's input under activation checkpointing
+plus one layer recomputed; the gradients, which live only inside an optimizer step). The peak is the resident part plus the largest
 phase; each switch changes one term, which is what lets the plan (plan.py) ask "what does
 this switch save?" before anything is allocated.
 
@@ -103,13 +103,13 @@ def no_grad_pass(model: ModelShape, work: Workload, switches: Switches) -> float
 
 
 def update_pass(model: ModelShape, work: Workload, switches: Switches) -> float:
-    """The actor's forward and backward over its largest micro-batch, less the gradients it frees first.
+    """The actor's forward and backward over its largest micro-batch.
 
     Everything kept for backward is held at the end of the forward; on top comes the larger
     of the head's pass (its logits, chunk by chunk) and one layer's backward (its activations
-    recomputed under checkpointing, and their gradients). The optimizer step begins with
-    `zero_grad(set_to_none=True)`, so the last step's gradients are gone until backward
-    rebuilds them, the head's (the embedding's, when tied) first.
+    recomputed under checkpointing, and their gradients), and the first gradient backward
+    builds: the head's (the embedding's, when tied). The rest of the gradients grow as the
+    activations are freed (`update_phase` takes the end of backward too).
     """
     tokens, response = micro_tokens(work, switches)
     layer = layer_activation_values(model, not switches.remove_padding) * work.compute_bytes
@@ -120,8 +120,24 @@ def update_pass(model: ModelShape, work: Workload, switches: Switches) -> float:
         kept, recompute = tokens * model.layers * layer, 0.0
     backward = recompute + BACKWARD_LAYERS * tokens * layer
     trainable = work.trainable if work.trainable is not None else model.params
-    freed = max(0.0, trainable - model.vocab * model.hidden) * work.param_bytes / work.shards
-    return kept + max(head_bytes(model, switches, response, grad=True), backward) - freed
+    head_grad = min(trainable, model.vocab * model.hidden) * work.param_bytes / work.shards
+    return kept + max(head_bytes(model, switches, response, grad=True), backward) + head_grad
+
+
+def update_phase(model: ModelShape, work: Workload, switches: Switches, trainable: float | None = None) -> float:
+    """An update on top of the resident set: its forward and backward, or its end (every gradient)
+    and the optimizer step, whichever is larger; a fresh run's first step also makes AdamW's moments.
+
+    Why the first step is its own case: until the first optimizer step the moments do not exist,
+    so generation and the log-prob passes run that much lower (`resident`); they appear in
+    `optimizer.step()`, after the activations are gone. Comparing the first step's peak with the
+    steady state's estimate would read as a 20-30% over-estimate on a small model (and would hide
+    an under-estimate of the rest from the re-plan's check).
+    """
+    count = trainable if trainable is not None else work.trainable if work.trainable is not None else model.params
+    grads, moments = count * work.param_bytes / work.shards, 2 * count * FP32 / work.shards
+    step_end = grads + optimizer_step(model, work) + (0.0 if work.optimizer_state else moments)
+    return max(update_pass(model, work, switches), step_end)
 
 
 def optimizer_step(model: ModelShape, work: Workload) -> float:
@@ -144,27 +160,23 @@ def generation(model: ModelShape, work: Workload, switches: Switches) -> float:
     return kv + kept_logits + max(step, prefill)
 
 
-def optimizer_bytes(model: ModelShape, work: Workload) -> tuple[int, int]:
-    """(gradients, AdamW's two fp32 moments) of what trains; gradients stay until the next zero_grad."""
-    trainable = work.trainable if work.trainable is not None else model.params
-    return int(trainable * work.param_bytes / work.shards), int(2 * trainable * FP32 / work.shards)
-
-
 def resident(model: ModelShape, work: Workload, switches: Switches) -> dict[str, int]:
-    """What a process holds through every phase of a step after the first (AdamW's moments exist)."""
+    """What a process holds through every phase of a step: no gradients (freed after each optimizer
+    step), and AdamW's moments once they exist (after a run's first optimizer step)."""
     weights = model.params * work.param_bytes / work.shards
     out = {"runtime": work.floor_bytes}
     if work.trains or work.engine in ("hf_shared", "hf"):
         out["weights"] = int(weights)
     if work.engine == "hf" and work.trains:
         out["engine_weights"] = int(weights)  # an engine with its own copy (split, or an FSDP actor)
-    if work.trains and work.optimizer_state:  # a fresh run's first step holds neither until its update
-        out["gradients"], out["adamw"] = optimizer_bytes(model, work)
+    if work.trains and work.optimizer_state:  # a fresh run's first step holds none until its update
+        trainable = work.trainable if work.trainable is not None else model.params
+        out["adamw"] = int(2 * trainable * FP32 / work.shards)
     if work.ref and not (switches.ref_offload and work.device == "cuda"):
         out["ref_weights"] = int(weights)
     if work.critic:
-        critic = model.params - (0 if model.tied else model.vocab * model.hidden)
-        out["critic"] = int(critic * (work.param_bytes * 2 + 2 * FP32) / work.shards)
+        moments = 2 * FP32 if work.optimizer_state else 0
+        out["critic"] = int(critic_params(model) * (work.param_bytes + moments) / work.shards)
     out.update(work.extra_bytes)
     return out
 
@@ -181,22 +193,13 @@ def estimate(model: ModelShape, work: Workload, switches: Switches) -> Estimate:
     if work.critic:
         phases["values"] = no_grad_pass(model, work, switches)
     if work.trains:
-        phases["update_actor"] = (max(update_pass(model, work, switches), optimizer_step(model, work))
-                                  if work.optimizer_state else first_update(model, work, switches))
+        phases["update_actor"] = update_phase(model, work, switches)
     if work.critic:
-        phases["update_critic"] = update_pass(model, work, switches)
+        phases["update_critic"] = update_phase(model, work, switches, trainable=critic_params(model))
     return Estimate(resident(model, work, switches), {k: int(math.ceil(v)) for k, v in phases.items()})
 
 
-def first_update(model: ModelShape, work: Workload, switches: Switches) -> float:
-    """A fresh run's first update, on top of a resident set without gradients or AdamW's moments.
 
-    Why its own case: until the first optimizer step neither exists, so generation and the
-    log-prob passes run that much lower, and the update's forward and backward too; the
-    moments appear in `optimizer.step()`, after the activations are gone. Comparing the first
-    step's peak with the steady state's estimate would read as a 20-30% over-estimate on a
-    small model (and would hide an under-estimate of the rest from the re-plan's check).
-    """
-    grads, moments = optimizer_bytes(model, work)
-    # The steady update subtracts the gradients zero_grad frees; here there were none to free.
-    return max(update_pass(model, work, switches) + grads, grads + moments + optimizer_step(model, work))
+def critic_params(model: ModelShape) -> int:
+    """A critic is the policy's backbone and a value head: no vocabulary head of its own."""
+    return model.params - (0 if model.tied else model.vocab * model.hidden)
