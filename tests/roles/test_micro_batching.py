@@ -10,6 +10,7 @@ import copy
 import pytest
 import torch
 
+from tests.grad_helpers import gradients_at_the_step
 from tests.roles.test_chunked_logprobs import EOS, PAD, VOCAB, inputs
 from verl_hpc.config import AlgorithmConfig, load_config
 from verl_hpc.config.errors import ConfigError
@@ -85,12 +86,15 @@ def test_actor_and_critic_gradients_equal_the_fixed_micro_batch_path(agg: str) -
     for name, plan in (("fixed", UpdatePlan(8, 3, 1)), ("tokens", UpdatePlan(8, 3, 1, token_budget=30))):
         policy = build_model(PRESETS["tiny"], VOCAB, PAD, EOS, seed=0)
         actor = Actor(policy, algo, OptimConfig(lr=1e-3), total_steps=1)
+        actor_grads = gradients_at_the_step(actor)
         actor.update(copy.deepcopy(batch), plan)
         backbone = build_model(PRESETS["tiny"], VOCAB, PAD, EOS, seed=0).model
         critic = Critic(ValueModel(backbone, backbone.config.hidden_size), algo, OptimConfig(lr=1e-3), 1)
+        critic_grads = gradients_at_the_step(critic)
         critic.update(copy.deepcopy(batch), plan)
-        grads[name] = {**{f"actor.{n}": p.grad for n, p in policy.named_parameters()},
-                       **{f"critic.{n}": p.grad for n, p in critic.model.named_parameters()}}
+        assert len(actor_grads) == len(list(policy.parameters())) and critic_grads
+        grads[name] = {**{f"actor.{n}": g for n, g in actor_grads.items()},
+                       **{f"critic.{n}": g for n, g in critic_grads.items()}}
     assert len(plan_rows(batch, 3, 30)) != len(plan_rows(batch, 3, None))  # the cut really differs
     for key, grad in grads["fixed"].items():
         torch.testing.assert_close(grads["tokens"][key], grad, rtol=1e-4, atol=1e-5, msg=key)

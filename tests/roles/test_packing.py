@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.runtime.test_runtime_embedded import gradients_at_the_step
+from tests.grad_helpers import gradients_at_the_step
 from verl_hpc.config import AlgorithmConfig
 from verl_hpc.config.schema import OptimConfig
 from verl_hpc.roles.actor import Actor, UpdatePlan

@@ -12,6 +12,7 @@ import torch
 import yaml
 
 from tests.conftest import REPO
+from tests.grad_helpers import gradients_at_the_step
 from verl_hpc import ConfigError, HybridTrainer
 from verl_hpc.config import LoggingConfig, load_config
 from verl_hpc.metrics import Emitter, Progress, open_sinks, read_jsonl_metrics
@@ -96,16 +97,10 @@ def updates_at_micro_sizes(model_dir: Path, cfg, inputs: dict[str, torch.Tensor]
         actor = Actor(model, cfg.algorithm, cfg.trainer.actor_optim, total_steps=1)
         grads = gradients_at_the_step(actor)
         stats = actor.update(dict(inputs), UpdatePlan(mini_batch_size=16, micro_batch_size=micro, epochs=1))
+        assert grads, "the update stepped"
         results.append((stats, grads))
     return results
 
-
-def gradients_at_the_step(actor: Actor) -> dict[str, torch.Tensor]:
-    """Filled with the gradients as the optimizer step begins (they are freed right after it)."""
-    grads: dict[str, torch.Tensor] = {}
-    actor.optimizer.register_step_pre_hook(lambda *_: grads.update(
-        {n: p.grad.clone() for n, p in actor.model.named_parameters() if p.grad is not None}))
-    return grads
 
 
 def _random_batch(model_dir: Path, rows: int = 16, resp: int = 5) -> dict[str, torch.Tensor]:

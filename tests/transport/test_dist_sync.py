@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from tests.grad_helpers import gradients_at_the_step
 from verl_hpc.config import ResourceConfig, RoleResources
 from verl_hpc.config.placement import plan_processes
 from verl_hpc.runtime.process.dist import init_distributed
@@ -56,8 +57,10 @@ def _reference_update(model_dir: str, variant: str) -> dict[str, torch.Tensor]:
     if variant == "lora":
         apply_lora(model, LoraConfig(**LORA), seed=0)
     actor = Actor(model, AlgorithmConfig(), OptimConfig(lr=1e-2), total_steps=1)
+    grads = gradients_at_the_step(actor)
     actor.update(_inputs(resp=_resp(variant)), UpdatePlan(8, 8, 1))  # the padded path, one process
-    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert grads, "the update stepped"
+    return grads
 
 
 DYNAMIC_BUDGET = 14  # tokens: rows of 4 prompt + 1-4 response tokens; rank 0 makes 2 groups, rank 1 3
@@ -98,8 +101,8 @@ def _worker(rank: int, world: int, port: int, model_dir: str, out_dir: str, vari
         # use_dynamic_bsz: micro-batches by tokens, trimmed, as many on both ranks (see the test)
         # remove_padding: the rank's 4 rows in one micro-batch, so that short ones can share a row
         micro = 4 if variant == "remove_padding" else 2
+        grads = gradients_at_the_step(actor, full_tensor)  # gathered on every rank as the step begins
         actor.update(shard, UpdatePlan(4, micro, 1, DYNAMIC_BUDGET if variant == "dynamic_bsz" else None))
-        grads = {n: full_tensor(p.grad) for n, p in model.named_parameters() if p.grad is not None}
         params = dict(merged_params(model))  # what the engines must hold (LoRA: adapters merged in)
         if rank == 0:
             torch.save({"grads": grads, "params": params}, os.path.join(out_dir, "fsdp.pt"))
@@ -139,7 +142,7 @@ def test_fsdp_update_and_weight_syncs_are_exact(tmp_path: Path, tiny_model_dir: 
                        start_method="spawn", join=True)
     expected = _reference_update(str(tiny_model_dir), variant)
     fsdp = torch.load(tmp_path / "fsdp.pt", weights_only=True)
-    assert sorted(fsdp["grads"]) == sorted(expected)  # LoRA: the adapters, and only they, have gradients
+    assert expected and sorted(fsdp["grads"]) == sorted(expected)  # LoRA: the adapters, and only they, have gradients
     if variant == "lora":
         assert all(".lora_" in key for key in expected) and any(g.abs().sum() > 0 for g in expected.values())
     for key, grad in expected.items():
