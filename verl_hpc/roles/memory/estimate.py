@@ -5,8 +5,8 @@ reference, the runtime's own) plus the largest of what each phase holds for a mo
 generation (the KV cache and the per-step logits `generate` returns), the no-grad log-prob
 passes (one layer's activations, the log-prob head), and the update (every layer's
 activations kept for backward, or only each layer's input under activation checkpointing
-plus one layer recomputed; the gradients, which live only inside an optimizer step). The peak is the resident part plus the largest
-phase; each switch changes one term, which is what lets the plan (plan.py) ask "what does
+plus one layer recomputed; the gradients, which live only inside an optimizer step). The
+peak is the resident part plus the largest phase; each switch changes one term, which is what lets the plan (plan.py) ask "what does
 this switch save?" before anything is allocated.
 
 The per-token constants were measured on torch 2.13 (CPU, SDPA) by counting the tensors
@@ -119,7 +119,7 @@ def update_pass(model: ModelShape, work: Workload, switches: Switches) -> float:
     else:
         kept, recompute = tokens * model.layers * layer, 0.0
     backward = recompute + BACKWARD_LAYERS * tokens * layer
-    trainable = work.trainable if work.trainable is not None else model.params
+    trainable = trainable_params(model, work)
     head_grad = min(trainable, model.vocab * model.hidden) * work.param_bytes / work.shards
     return kept + max(head_bytes(model, switches, response, grad=True), backward) + head_grad
 
@@ -134,7 +134,7 @@ def update_phase(model: ModelShape, work: Workload, switches: Switches, trainabl
     steady state's estimate would read as a 20-30% over-estimate on a small model (and would hide
     an under-estimate of the rest from the re-plan's check).
     """
-    count = trainable if trainable is not None else work.trainable if work.trainable is not None else model.params
+    count = trainable if trainable is not None else trainable_params(model, work)
     grads, moments = count * work.param_bytes / work.shards, 2 * count * FP32 / work.shards
     step_end = grads + optimizer_step(model, work) + (0.0 if work.optimizer_state else moments)
     return max(update_pass(model, work, switches), step_end)
@@ -142,7 +142,7 @@ def update_phase(model: ModelShape, work: Workload, switches: Switches, trainabl
 
 def optimizer_step(model: ModelShape, work: Workload) -> float:
     """AdamW's step: on a GPU the foreach kernels make one trainable-sized temporary; on a CPU one tensor's."""
-    trainable = work.trainable if work.trainable is not None else model.params
+    trainable = trainable_params(model, work)
     if work.device == "cuda":
         return trainable * FP32 / work.shards
     return 2 * model.vocab * model.hidden * FP32  # the largest tensor (the embedding), twice
@@ -170,7 +170,7 @@ def resident(model: ModelShape, work: Workload, switches: Switches) -> dict[str,
     if work.engine == "hf" and work.trains:
         out["engine_weights"] = int(weights)  # an engine with its own copy (split, or an FSDP actor)
     if work.trains and work.optimizer_state:  # a fresh run's first step holds none until its update
-        trainable = work.trainable if work.trainable is not None else model.params
+        trainable = trainable_params(model, work)
         out["adamw"] = int(2 * trainable * FP32 / work.shards)
     if work.ref and not (switches.ref_offload and work.device == "cuda"):
         out["ref_weights"] = int(weights)
@@ -199,7 +199,11 @@ def estimate(model: ModelShape, work: Workload, switches: Switches) -> Estimate:
     return Estimate(resident(model, work, switches), {k: int(math.ceil(v)) for k, v in phases.items()})
 
 
-
 def critic_params(model: ModelShape) -> int:
     """A critic is the policy's backbone and a value head: no vocabulary head of its own."""
     return model.params - (0 if model.tied else model.vocab * model.hidden)
+
+
+def trainable_params(model: ModelShape, work: Workload) -> int:
+    """What the actor trains: its LoRA adapters when it has them, else the whole model."""
+    return work.trainable if work.trainable is not None else model.params
