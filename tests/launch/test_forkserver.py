@@ -52,6 +52,15 @@ def test_a_killed_worker_reports_the_signal_and_others_go_on(server: ForkServer,
     assert quick.wait(timeout=60) == 0
 
 
+def test_a_reported_pid_already_leads_its_own_process_group(server: ForkServer, tmp_path: Path) -> None:
+    """The launcher may killpg a worker the moment spawn returns: its group must exist by then."""
+    workers = [server.spawn({"FORK_CHILD_SLEEP": "60"}, tmp_path / f"{i}.out") for i in range(8)]
+    for worker in workers:
+        assert os.getpgid(worker.pid) == worker.pid
+        os.killpg(worker.pid, signal.SIGKILL)
+    assert [worker.wait(timeout=60) for worker in workers] == [-signal.SIGKILL] * 8
+
+
 def test_a_forked_worker_computes_with_its_own_thread_count(tmp_path: Path) -> None:
     """The server imported torch under one OMP_NUM_THREADS; each worker computes with the one it was given."""
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}

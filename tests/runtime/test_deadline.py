@@ -275,6 +275,21 @@ def test_a_write_that_ends_at_once_still_commits_off_the_trainers_thread(tmp_pat
     assert manager.wait().name == "step_00000001"
     assert committed_on and committed_on[0] != threading.current_thread().name
 
+
+def test_the_commit_thread_exists_from_the_start_so_saves_add_no_thread(tmp_path: Path) -> None:
+    """A leak check compares a run's thread count early and late: the first save must not raise it."""
+    import threading
+
+    from verl_hpc.checkpoint.manager import CheckpointManager
+
+    manager = CheckpointManager(tmp_path / "ckpt", async_save=True)
+    before = {t.name for t in threading.enumerate() if t.name.startswith("checkpoint-commit")}
+    for step in (1, 2):
+        manager.save(step, {"w": torch.zeros(4)}, {})
+        manager.wait()
+    after = {t.name for t in threading.enumerate() if t.name.startswith("checkpoint-commit")}
+    assert before and after == before
+
 # --- the attempt's record and `verl-hpc status` ------------------------------------------------
 
 def test_an_abandoned_step_is_recorded_at_once_and_merged_with_the_attempt(tmp_path: Path) -> None:

@@ -153,8 +153,11 @@ class CheckpointManager:
         self._stager = _ReusedStager() if reuse_staging else None
         self._write_threads = max(1, write_threads)
         self._pending: Future | None = None
-        # One thread (started at the first async save): commits in save order, their collectives matching.
+        # One thread for the manager's life: commits in save order, their collectives matching. Started
+        # now, not at the first save, so a run's thread count is flat from its first step.
         self._commit_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-commit")
+        if async_save:
+            self._commit_thread.submit(lambda: None)
         self._pending_since: float | None = None  # monotonic start of the async save in flight
         self.commits: list[dict[str, Any]] = []  # rank 0: step, save_seconds, bytes of each commit, unread
         self.write_seconds: list[float] = []    # every rank: start to commit of each save, unread

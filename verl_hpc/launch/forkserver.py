@@ -69,14 +69,33 @@ def _apply_thread_count(env: dict[str, str]) -> None:
         torch.set_num_threads(int(threads))
 
 
+def _fork_worker(request: dict, server_pid: int) -> int:
+    """Fork a worker and return its pid once it leads its own session.
+
+    The launcher signals a worker's process group (`killpg(pid)`) the moment it learns the pid; a
+    pid reported before the child's `setsid` names no group yet, so the server waits for the child
+    to close its end of a pipe after `setsid` (or to die, which closes it too).
+    """
+    ready_read, ready_write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(ready_read)
+        os.setsid()
+        os.close(ready_write)
+        _become_worker(request, server_pid)
+    os.close(ready_write)
+    os.read(ready_read, 1)  # b"" once the child closed its end
+    os.close(ready_read)
+    return pid
+
+
 def _become_worker(request: dict, server_pid: int) -> None:
-    """In the forked child: the worker's session, environment and log file, then its main.
+    """In the forked child, already in its own session: the worker's environment and log file, then its main.
 
     It never returns to the server's loop: the worker's `sys.exit` (or an error) unwinds the
     child's stack to the interpreter's own exit, so a failing worker finalizes as a fresh
     process would (atexit, logging) and a finished one leaves by `os._exit` as before.
     """
-    os.setsid()
     _set_pdeathsig(server_pid)
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, signal.SIG_DFL)
@@ -110,9 +129,7 @@ def serve(preload: tuple[str, ...] = PRELOAD, stdin: int = 0, stdout: int = 1) -
             pending += chunk
             while b"\n" in pending:
                 line, pending = pending.split(b"\n", 1)
-                pid = os.fork()
-                if pid == 0:
-                    _become_worker(json.loads(line), me)
+                pid = _fork_worker(json.loads(line), me)
                 children.add(pid)
                 out.write(json.dumps({"pid": pid}) + "\n")
         for pid in list(children):
