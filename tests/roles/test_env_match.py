@@ -27,8 +27,18 @@ def test_samples_pair_into_matches() -> None:
         seat_of("episode")
 
 
-def test_each_seat_waits_for_the_others_move_and_both_get_the_games_rewards() -> None:
-    runner = MatchRunner("TicTacToe-v0", {}, workers=2, timeout=30)
+def _worker_runner(workers: int = 2):
+    """Self-play matches in environment worker processes (`num_workers`), both seats of each in one."""
+    from verl_hpc.roles.env.workers import ProcessEnvRunner
+
+    spec = {"source": "textarena", "id": "TicTacToe-v0", "kwargs": {}, "action_wrappers": [], "threads": 4,
+            "players": 2, "timeout": 30}
+    return ProcessEnvRunner.local(spec, workers, 30)
+
+
+@pytest.mark.parametrize("where", ["threads", "workers"])
+def test_each_seat_waits_for_the_others_move_and_both_get_the_games_rewards(where: str) -> None:
+    runner = MatchRunner("TicTacToe-v0", {}, workers=2, timeout=30) if where == "threads" else _worker_runner()
     first0, first1 = runner.reset_all([(SEAT0, 3, {}), (SEAT1, 3, {})])
     assert "Player 0" in first0.reply.text and first0.later is None
     assert first1.reply is None and first1.error is None and parked(first1.later) and not first1.later.done()
@@ -50,11 +60,12 @@ def test_each_seat_waits_for_the_others_move_and_both_get_the_games_rewards() ->
     runner.close()
 
 
-def test_a_seat_that_leaves_ends_its_opponents_game_and_a_lone_seat_has_no_match() -> None:
-    runner = MatchRunner("TicTacToe-v0", {}, workers=2, timeout=30)
+@pytest.mark.parametrize("where", ["threads", "workers"])
+def test_a_seat_that_leaves_ends_its_opponents_game_and_a_lone_seat_has_no_match(where: str) -> None:
+    runner = MatchRunner("TicTacToe-v0", {}, workers=2, timeout=30) if where == "threads" else _worker_runner()
     _, first1 = runner.reset_all([(SEAT0, 5, {}), (SEAT1, 5, {})])
     runner.left(SEAT0)  # seat 0 ran out of budget before its first move
-    alone = first1.later.result(timeout=0)
+    alone = first1.later.result(timeout=30)
     assert (alone.reply.reward, alone.reply.done) == (0.0, True)
     assert alone.reply.text.startswith("You are Player 1") and alone.reply.text.endswith(LEFT)
     lone = runner.reset_all([("episode-2-0-0", 1, {})])[0]
@@ -69,7 +80,7 @@ def agent_dir(tmp_path_factory):
     return init_model(tmp_path_factory.mktemp("m") / "tiny-agent", preset="tiny-agent", seed=0)
 
 
-def _self_play(model_dir: Path, deterministic: bool, matches: int = 4) -> list[dict]:
+def _self_play(model_dir: Path, deterministic: bool, matches: int = 4, num_workers: int = 0) -> list[dict]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -79,7 +90,7 @@ def _self_play(model_dir: Path, deterministic: bool, matches: int = 4) -> list[d
 
     tok = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
     engine = HFRolloutEngine(AutoModelForCausalLM.from_pretrained(model_dir), tok)
-    env = EnvironmentConfig(source="textarena", id="TicTacToe-v0", players=2)
+    env = EnvironmentConfig(source="textarena", id="TicTacToe-v0", players=2, num_workers=num_workers)
     cfg = MultiTurnConfig(enable=True, environment=env, max_assistant_turns=6, deterministic_rounds=deterministic)
     agent = AgentRollout(cfg, engine, tok, stop_token_ids(tok, str(model_dir)), 4096)
     rows = matches * 2  # one prompt, its samples paired into matches
@@ -116,6 +127,39 @@ def test_deterministic_self_play_does_not_depend_on_timing(agent_dir: Path, in_r
     assert [r["messages"] for r in _self_play(agent_dir, True)] == [r["messages"] for r in in_rounds]
 
 
+def test_matches_in_worker_processes_play_the_same_games_as_in_threads(agent_dir: Path,
+                                                                       in_rounds: list[dict]) -> None:
+    in_workers = _self_play(agent_dir, True, num_workers=2)
+    assert [r["messages"] for r in in_workers] == [r["messages"] for r in in_rounds]
+    assert [r["env_reward"] for r in in_workers] == [r["env_reward"] for r in in_rounds]
+
+
+def test_a_killed_worker_fails_both_seats_of_its_matches_and_the_others_play_on() -> None:
+    import os
+    import signal
+
+    runner = _worker_runner()
+    try:
+        seats = [f"episode-1-0-{i}" for i in range(4)]  # two matches, one per worker
+        firsts = runner.reset_all([(name, 3, {}) for name in seats])
+        homes = [runner._home[name] for name in seats]
+        assert homes[0] == homes[1] != homes[2] == homes[3]  # a match's seats share a worker
+        assert parked(firsts[1].later) and parked(firsts[3].later)
+        os.kill(runner.workers[homes[0]].process.pid, signal.SIGKILL)
+        lost = runner.submit(seats[0], "[4]").result(timeout=30)
+        assert lost.reply is None and "died" in lost.error
+        assert firsts[1].later.result(timeout=30).error  # its parked opponent learns it too
+        moved = runner.submit(seats[2], "[4]").result(timeout=30)
+        assert moved.error is None and parked(moved.later)
+        assert "Current Board" in firsts[3].later.result(timeout=30).reply.text  # the other match goes on
+        for name in seats:
+            runner.finish(name)
+        again = runner.reset_all([(f"episode-2-0-{i}", 3, {}) for i in range(4)])
+        assert again[0].reply is not None and again[2].reply is not None and runner.restarts == 1
+    finally:
+        runner.close()
+
+
 def test_the_example_config_trains_by_self_play(tmp_path: Path) -> None:
     """configs/selfplay_tictactoe.yaml through the CLI, two steps: every seat got its game, none failed."""
     from tests.conftest import run_cli
@@ -130,15 +174,16 @@ def test_the_example_config_trains_by_self_play(tmp_path: Path) -> None:
     assert all(r["critic/score/mean"] == 0.0 for r in rows if r["env/done_ratio"] == 1.0)  # zero-sum games
 
 
-def test_self_play_needs_pairs_a_game_and_threads(tmp_path: Path) -> None:
+def test_self_play_needs_pairs_and_a_game_and_runs_in_threads_or_workers(tmp_path: Path) -> None:
     from verl_hpc.config import ConfigError, load_config
 
     base = ["model.path=" + str(tmp_path / "m")]
     for override, field in (("algorithm.sampling.n=3", "algorithm.sampling.n"),
-                            ("rollout.multi_turn.environment.num_workers=2", "environment.num_workers"),
                             ("rollout.multi_turn.environment.source=python", "environment.players")):
         with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
             load_config(REPO / "configs" / "selfplay_tictactoe.yaml", [*base, override])
+    for placement in ("rollout.multi_turn.environment.num_workers=2", "resources.env.num_workers=2"):
+        load_config(REPO / "configs" / "selfplay_tictactoe.yaml", [*base, placement])
 
 
 def test_a_failing_game_fails_both_seats_and_both_play_again(agent_dir: Path, monkeypatch) -> None:

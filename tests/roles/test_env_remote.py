@@ -25,9 +25,9 @@ from verl_hpc.transport.secret import create_run_secret
 PID_ENV = f"{REPO / 'tests' / 'plugins' / 'agent_envs.py'}:PidEnv"
 
 
-def _run_dir(tmp_path: Path) -> Path:
+def _run_dir(tmp_path: Path, environment: dict | None = None) -> Path:
     config = yaml.safe_load((REPO / "configs" / "env_box.yaml").read_text())
-    config["rollout"]["multi_turn"]["environment"].update(id=PID_ENV, kwargs={})
+    config["rollout"]["multi_turn"]["environment"].update(environment or {"id": PID_ENV, "kwargs": {}})
     config["resources"]["env"] = {"num_workers": 2}
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -37,9 +37,11 @@ def _run_dir(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def component(tmp_path: Path) -> Iterator[tuple[Path, list[subprocess.Popen]]]:
-    """Two env tasks of job 77's first attempt, as `srun --het-group=N` starts them."""
-    run_dir = _run_dir(tmp_path)
+def component(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[tuple[Path, list[subprocess.Popen]]]:
+    """Two env tasks of job 77's first attempt, as `srun --het-group=N` starts them (a test's
+    `environment` mark replaces the config's environment)."""
+    mark = request.node.get_closest_marker("environment")
+    run_dir = _run_dir(tmp_path, mark.args[0] if mark else None)
     tasks = []
     for index in range(2):
         env = {**os.environ, "SLURM_PROCID": str(index), "SLURM_JOB_ID": "77", "SLURM_RESTART_COUNT": "0",
@@ -70,6 +72,26 @@ def test_episodes_reach_the_component_by_the_run_directory_and_survive_a_killed_
             runner.finish(f"e{i}")
         again = kill_a_worker_mid_episode(runner, "closed its connection")  # its supervisor restarts it
         assert len({a.reply.text for a in again}) == 2
+    finally:
+        runner.close()
+
+
+@pytest.mark.environment({"source": "textarena", "id": "TicTacToe-v0", "kwargs": {}, "players": 2})
+def test_self_play_matches_run_on_the_component(component) -> None:
+    pytest.importorskip("textarena")
+    from verl_hpc.roles.env.runner import parked
+
+    run_dir, _ = component
+    runner = ProcessEnvRunner(remote_starter(_home(run_dir), reconnect_s=30.0), 2, timeout=30.0, players=2)
+    try:
+        seats = [f"episode-1-0-{i}" for i in range(4)]
+        firsts = runner.reset_all([(name, 3, {}) for name in seats])
+        assert "Player 0" in firsts[0].reply.text and parked(firsts[1].later)
+        moved = runner.submit(seats[0], "[4]").result(timeout=30)
+        assert parked(moved.later)  # seat 1 moves next, and has now seen seat 0's move:
+        assert "Current Board" in firsts[1].later.result(timeout=30).reply.text
+        runner.left(seats[2])  # the other match's seat 0 left: its opponent's game ends unrewarded
+        assert firsts[3].later.result(timeout=30).reply.done
     finally:
         runner.close()
 
@@ -134,6 +156,12 @@ class _FakeLink:
         future = self._cf.Future()
         future.set_result(("ok", (f"worker {self.index}", 0.0, False)) if op != "close" else ("ok", None))
         return future
+
+    def expect(self, episode: str):
+        return self._cf.Future()
+
+    def forget(self, episode: str) -> None:
+        pass
 
     def stop(self) -> None:
         self.dead = True

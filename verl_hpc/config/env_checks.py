@@ -44,7 +44,7 @@ def check_env_workers(cfg: RunConfig) -> None:
 
 def check_self_play(cfg: RunConfig) -> None:
     """Self-play pairs the samples of a prompt into matches (2k: seat 0, 2k+1: seat 1) whose seats
-    wait on each other's moves in one process: a TextArena game, even sample counts, threads."""
+    wait on each other's moves: a TextArena game and even sample counts (threads or workers alike)."""
     env = cfg.rollout.multi_turn.environment
     if env is None or env.players == 1 or not cfg.rollout.multi_turn.enable:
         return
@@ -58,7 +58,3 @@ def check_self_play(cfg: RunConfig) -> None:
     if cfg.data.val_files and cfg.trainer.val_n % 2:
         raise FieldError("trainer.val_n", f"{cfg.trainer.val_n} validation samples per prompt cannot pair into "
                          "two-player matches", f"use an even number ({cfg.trainer.val_n + 1})")
-    if env.num_workers or cfg.resources.env is not None:
-        raise FieldError(f"{ENV}.num_workers", "self-play runs its matches in threads of the rollout process: "
-                         "both seats of a game wait on each other there",
-                         f"set {ENV}.num_workers: 0 and remove resources.env")

@@ -65,9 +65,10 @@ def env_runner(multi_turn: Any, num_workers: int | None = None, home: Any = None
             from verl_hpc.roles.env.remote import remote_starter
 
             log.info("environment workers: %d of the env component (%s)", home.num_workers, home.directory)
-            return ProcessEnvRunner(remote_starter(home, RECONNECT_S), home.num_workers, env.timeout_seconds)
+            return ProcessEnvRunner(remote_starter(home, RECONNECT_S), home.num_workers, env.timeout_seconds,
+                                    env.players)
         return ProcessEnvRunner.local(env_spec(env), count, env.timeout_seconds)
-    if env.players == 2:  # self-play: both seats of each match in threads here (config/env_checks.py)
+    if env.players == 2:  # self-play: both seats of each match in threads here
         from verl_hpc.roles.env.match import MatchRunner
 
         return MatchRunner(env.id, env.kwargs, env.workers, env.timeout_seconds, env.action_wrappers)

@@ -209,3 +209,50 @@ class MatchRunner:
         for episode in list(self.where):
             self.finish(episode)
         self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def wire_answer(outcome: EnvOutcome) -> tuple[str, Any]:
+    """An outcome as the environment wire carries it (`wire.py`): ok, error, or parked."""
+    if outcome.later is not None:
+        return "parked", None
+    if outcome.reply is None:
+        return "error", outcome.error or "no observation"
+    return "ok", (outcome.reply.text, outcome.reply.reward, outcome.reply.done)
+
+
+class MatchHost:
+    """Self-play matches in an environment worker process (`num_workers`, `resources.env`).
+
+    The rollout places both seats of a match on one worker and starts them in one `reset_all`
+    request; a seat that must wait is answered `parked`, and its observation follows as a
+    `resolve` message once the other seat's move (or the game's end, or its failure) produces it.
+    """
+
+    def __init__(self, spec: dict[str, Any]):
+        self.runner = MatchRunner(spec["id"], spec.get("kwargs") or {}, int(spec.get("threads", 16)),
+                                  float(spec.get("timeout", 60.0)), spec.get("action_wrappers", ()))
+
+    def handle(self, op: str, episode: str, payload: Any, notify: Any) -> tuple[str, Any]:
+        """One request; `notify(episode, status, payload)` sends a parked seat's observation later."""
+        if op == "reset_all":
+            starts = [(name, seed, dict(kwargs)) for name, seed, kwargs in payload]
+            outcomes = self.runner.reset_all(starts)
+            return "ok", [self._answer(name, outcome, notify) for (name, _, _), outcome in zip(starts, outcomes, strict=True)]
+        if op == "step":
+            return self._answer(episode, self.runner.submit(episode, payload).result(), notify)
+        if op == "left":
+            self.runner.left(episode)
+            return "ok", None
+        if op == "close":
+            self.runner.finish(episode)
+            return "ok", None
+        return "error", f"self-play has no {op!r} request"
+
+    @staticmethod
+    def _answer(episode: str, outcome: EnvOutcome, notify: Any) -> tuple[str, Any]:
+        if outcome.later is not None:
+            outcome.later.add_done_callback(lambda done: notify(episode, *wire_answer(done.result())))
+        return wire_answer(outcome)
+
+    def close(self) -> None:
+        self.runner.close()

@@ -88,6 +88,12 @@ class RemoteWorker:
     def request(self, request_id: int, op: str, episode: str, payload: Any) -> cf.Future:
         return self.link.request(request_id, op, episode, payload)
 
+    def expect(self, episode: str) -> cf.Future:
+        return self.link.expect(episode)
+
+    def forget(self, episode: str) -> None:
+        self.link.forget(episode)
+
     def stop(self) -> None:
         self.link.close()
         self.link.fail_all()

@@ -140,7 +140,8 @@ ENV_FIELD = "rollout.multi_turn.environment"
 def env_spec(env: Any) -> dict[str, Any]:
     """What builds the environment of an episode, as plain data a worker process is sent."""
     return {"source": env.source, "id": env.id, "kwargs": dict(env.kwargs),
-            "action_wrappers": list(env.action_wrappers), "threads": env.workers}
+            "action_wrappers": list(env.action_wrappers), "threads": env.workers, "players": env.players,
+            "timeout": env.timeout_seconds}
 
 
 def make_environment(source: str, ref: str, kwargs: dict[str, Any] | None = None,

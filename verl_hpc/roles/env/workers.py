@@ -29,7 +29,7 @@ from multiprocessing.connection import Client, Listener
 from typing import Any, Protocol
 
 from verl_hpc.roles.env.base import EnvFailure, EnvReply
-from verl_hpc.roles.env.runner import EnvOutcome
+from verl_hpc.roles.env.runner import EnvOutcome, ParkedFuture
 from verl_hpc.roles.env.wire import EnvConnection, TimeoutSweeper, serve_connection
 from verl_hpc.utils.child import accept_child
 
@@ -46,6 +46,10 @@ class WorkerLink(Protocol):
     def alive(self) -> bool: ...
 
     def request(self, request_id: int, op: str, episode: str, payload: Any) -> cf.Future: ...
+
+    def expect(self, episode: str) -> cf.Future: ...
+
+    def forget(self, episode: str) -> None: ...
 
     def stop(self) -> None: ...
 
@@ -86,6 +90,12 @@ class EnvWorker:
     def request(self, request_id: int, op: str, episode: str, payload: Any) -> cf.Future:
         return self.link.request(request_id, op, episode, payload)
 
+    def expect(self, episode: str) -> cf.Future:
+        return self.link.expect(episode)
+
+    def forget(self, episode: str) -> None:
+        self.link.forget(episode)
+
     @property
     def alive(self) -> bool:
         return self.process.poll() is None
@@ -102,10 +112,11 @@ class ProcessEnvRunner:
     """`EnvRunner`'s interface over worker processes: each episode's environment lives in one worker.
 
     `start(index)` makes worker `index` (again, when it died): a process of this rollout, or a
-    link to a worker of the Slurm env component (`remote.remote_starter`)."""
+    link to a worker of the Slurm env component (`remote.remote_starter`). With `players: 2` both
+    seats of a self-play match live in one worker (`match.MatchHost`), started together."""
 
-    def __init__(self, start: Callable[[int], WorkerLink], num_workers: int, timeout: float):
-        self.start, self.timeout = start, timeout
+    def __init__(self, start: Callable[[int], WorkerLink], num_workers: int, timeout: float, players: int = 1):
+        self.start, self.timeout, self.players = start, timeout, players
         self.workers = [start(i) for i in range(num_workers)]
         self.restarts = 0
         self._ids = itertools.count()
@@ -123,7 +134,7 @@ class ProcessEnvRunner:
             log = os.path.join(log_dir, f"env_worker{index}.out") if log_dir else None
             return EnvWorker(index, spec, log, connect_timeout=max(60.0, timeout))
 
-        return cls(start, num_workers, timeout)
+        return cls(start, num_workers, timeout, int(spec.get("players", 1)))
 
     def _worker(self, episode: str) -> WorkerLink:
         """The episode's worker, chosen in turn when the episode begins.
@@ -159,9 +170,13 @@ class ProcessEnvRunner:
         self.restarts += 1
         return index
 
-    @staticmethod
-    def _outcome(status: str, payload: Any, started: float) -> EnvOutcome:
+    def _outcome(self, status: str, payload: Any, started: float, parked_raw: cf.Future | None = None) -> EnvOutcome:
+        """A wire answer as the loop takes it; `parked`: a `ParkedFuture` the other seat's move settles."""
         seconds = time.perf_counter() - started
+        if status == "parked" and parked_raw is not None:
+            later = ParkedFuture()
+            parked_raw.add_done_callback(lambda done: later.set_result(self._outcome(*done.result(), time.perf_counter())))
+            return EnvOutcome(None, None, seconds, later=later)
         if status != "ok":
             return EnvOutcome(None, str(payload), seconds)
         try:
@@ -169,35 +184,94 @@ class ProcessEnvRunner:
         except (EnvFailure, TypeError) as err:
             return EnvOutcome(None, str(err), seconds)
 
-    def _call(self, episode: str, op: str, payload: Any) -> cf.Future:
+    def _send(self, worker: WorkerLink | None, episodes: list[str], op: str, payload: Any,
+              decode: Callable[[str, Any, float, dict[str, cf.Future]], Any],
+              failed: Callable[[str, float], Any]) -> cf.Future:
+        """One request about `episodes[0]` (a match start: all of `episodes`) to its worker; the
+        future gets `decode(status, payload, started, parked)`, or `failed(why, seconds)` when no worker
+        is reached or none answers within the timeout."""
         started = time.perf_counter()
         done: cf.Future = cf.Future()
         try:
-            raw = self._worker(episode).request(next(self._ids), op, episode, payload)
+            worker = worker or self._worker(episodes[0])
+            # before the request: a seat's observation may come back before the answer that parks it
+            parked = {name: worker.expect(name) for name in episodes} if self.players == 2 else {}
+            raw = worker.request(next(self._ids), op, episodes[0], payload)
         except EnvFailure as err:  # no worker could be started or reached
-            done.set_result(EnvOutcome(None, str(err)))
+            done.set_result(failed(str(err), 0.0))
             return done
 
         def settle(_: cf.Future) -> None:
             with contextlib.suppress(cf.InvalidStateError):  # the timeout came first
-                done.set_result(self._outcome(*raw.result(), started))
+                done.set_result(decode(*raw.result(), started, parked))
 
         raw.add_done_callback(settle)
-        self._sweeper.settle_at(done, self.timeout, EnvOutcome(None, f"no answer within {self.timeout:g} s",
-                                                               self.timeout))
+        self._sweeper.settle_at(done, self.timeout, failed(f"no answer within {self.timeout:g} s", self.timeout))
         return done
 
+    def _call(self, episode: str, op: str, payload: Any) -> cf.Future:
+        return self._send(None, [episode], op, payload,
+                          lambda status, answer, started, parked: self._outcome(status, answer, started,
+                                                                                parked.get(episode)),
+                          lambda why, seconds: EnvOutcome(None, why, seconds))
+
     def reset_all(self, starts: list[tuple[str, int | None, dict[str, Any]]]) -> list[EnvOutcome]:
+        if self.players == 2:
+            return self._start_matches(starts)
         futures = [self._call(name, "reset", (seed, kwargs)) for name, seed, kwargs in starts]
         return [f.result() for f in futures]
+
+    def _start_matches(self, starts: list[tuple[str, int | None, dict[str, Any]]]) -> list[EnvOutcome]:
+        """Both seats of each match on one worker (chosen in turn), one `reset_all` request per worker."""
+        from verl_hpc.roles.env.match import seat_of
+
+        by_worker: dict[int, list[tuple[str, int | None, dict[str, Any]]]] = {}
+        placed: dict[str, int] = {}
+        try:
+            with self._lock:
+                for start in starts:
+                    match = seat_of(start[0])[0]
+                    if match not in placed:
+                        placed[match] = self._pick()
+                    self._home[start[0]] = placed[match]
+                    by_worker.setdefault(placed[match], []).append(start)
+        except EnvFailure as err:
+            return [EnvOutcome(None, str(err)) for _ in starts]
+
+        def decode_for(names: list[str]) -> Callable[[str, Any, float, dict[str, cf.Future]], list[EnvOutcome]]:
+            def decode(status: str, answer: Any, started: float, parked: dict[str, cf.Future]) -> list[EnvOutcome]:
+                if status == "ok" and not (isinstance(answer, list) and len(answer) == len(names)):
+                    status, answer = "error", f"a match start answered {answer!r:.80}, not one answer per seat"
+                if status != "ok":
+                    return [self._outcome(status, answer, started) for _ in names]
+                return [self._outcome(*one, started, parked[name]) for name, one in zip(names, answer, strict=True)]
+            return decode
+
+        futures = {}
+        for index, seats in by_worker.items():
+            names = [name for name, _, _ in seats]
+            futures[index] = self._send(self.workers[index], names, "reset_all", [list(seat) for seat in seats],
+                                        decode_for(names), lambda why, seconds, k=len(names): [EnvOutcome(None, why, seconds)] * k)
+        outcomes: dict[str, EnvOutcome] = {}
+        for index, seats in by_worker.items():
+            outcomes.update(zip([name for name, _, _ in seats], futures[index].result(), strict=True))
+        return [outcomes[name] for name, _, _ in starts]
 
     def submit(self, episode: str, action: str) -> cf.Future:
         return self._call(episode, "step", action)
 
+    def left(self, episode: str) -> None:
+        """Self-play: the episode ended before its game; its worker tells the other seat (`MatchRunner.left`)."""
+        index = self._home.get(episode)
+        if self.players == 2 and index is not None and self.workers[index].alive:
+            self.workers[index].request(next(self._ids), "left", episode, None)
+
     def finish(self, episode: str) -> None:
         index = self._home.pop(episode, None)  # atomic: a restart's lock is not waited for
-        if index is not None and self.workers[index].alive:
-            self.workers[index].request(next(self._ids), "close", episode, None)
+        if index is not None:
+            self.workers[index].forget(episode)
+            if self.workers[index].alive:
+                self.workers[index].request(next(self._ids), "close", episode, None)
 
     def close(self) -> None:
         self._sweeper.close()
