@@ -33,12 +33,15 @@ def build_agent(cfg: Any, engine: Any, tokenizer: Any, model_dir: str, run_dir: 
 
 
 def check_agent(cfg: Any) -> None:
-    """The tools load and the model's (or the configured) chat template renders them: the checks a
-    run would fail at start-up, done before anything starts (a model not yet built is skipped)."""
+    """The tools load, the environment starts, and the model's (or the configured) chat template renders
+    the tools: the checks a run would fail at start-up, done before anything starts (a model not yet
+    built is skipped)."""
     from verl_hpc.roles.agent.tools import load_tools
+    from verl_hpc.roles.env.preflight import check_environment
     from verl_hpc.utils.fs import expand_path
 
     tools = load_tools(cfg.rollout.multi_turn)
+    check_environment(cfg.rollout.multi_turn)
     model_dir = expand_path(cfg.model.path)
     if (model_dir / "tokenizer_config.json").is_file():
         from transformers import AutoTokenizer
