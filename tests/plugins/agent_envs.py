@@ -20,7 +20,7 @@ class GuessObservation(BaseModel):
 
 class CountdownEnv:
     """Three turns whatever the model says; each step's reward is 1 if the turn holds a digit. `mode`
-    makes a step raise, hang or answer garbage."""
+    makes a step raise, hang, take 0.4 s or answer garbage."""
 
     failed_seeds: set = set()  # mode "flaky": seeds whose first step already failed (per process)
 
@@ -39,6 +39,8 @@ class CountdownEnv:
             raise RuntimeError("the simulator crashed once")
         if self.mode == "hang":
             time.sleep(30)
+        if self.mode == "slow":  # a step that takes its time: 0.4 s
+            time.sleep(0.4)
         if self.mode == "garbage":
             return {"not": "an observation"}  # type: ignore[return-value]
         self.left -= 1

@@ -257,6 +257,51 @@ def test_worker_processes_hold_episodes_and_answer_in_parallel() -> None:
         runner.close()
 
 
+def test_a_worker_that_falls_behind_holds_requests_back_instead_of_timing_them_out() -> None:
+    """Eight 0.4 s steps on one worker of two threads, with a 1 s timeout: queued inside the worker,
+    the last ones would wait 1.6 s and fail; held back by the rollout, each gets its own second."""
+    from verl_hpc.roles.env.workers import ProcessEnvRunner
+
+    spec = {"source": "python", "id": PLUGIN, "kwargs": {"mode": "slow"}, "threads": 2}
+    runner = ProcessEnvRunner.local(spec, 1, timeout=1.0)
+    try:
+        runner.reset_all([(f"e{i}", i, {}) for i in range(8)])
+        steps = [runner.submit(f"e{i}", "7") for i in range(8)]
+        assert max(runner.admission.busy.values()) == 2 and len(runner.admission.waiting[0]) == 6
+        assert [s.result(timeout=30).error for s in steps] == [None] * 8
+        assert runner.admission.busy[0] == 0 and not runner.admission.waiting[0]
+    finally:
+        runner.close()
+
+
+def test_admission_sends_in_order_and_a_send_that_fails_at_once_does_not_recurse() -> None:
+    from verl_hpc.roles.env.workers import Admission
+
+    admission, sent = Admission(1), []
+    admission.run(0, lambda: sent.append("a"))
+    for name in "bcd":
+        admission.run(0, lambda name=name: sent.append(name))
+    assert sent == ["a"] and len(admission.waiting[0]) == 3
+    admission.release(0)
+    assert sent == ["a", "b"]
+
+    many = Admission(1)
+
+    def fails_at_once(name: str) -> None:  # a dead worker: answered, so released, inside the send
+        sent.append(name)
+        many.release(0)
+
+    many.run(0, lambda: None)
+    for i in range(5000):  # deeper than Python's recursion limit if each release sent the next itself
+        many.run(0, lambda i=i: fails_at_once(str(i)))
+    sent.clear()
+    many.release(0)
+    assert len(sent) == 5000 and many.busy[0] == 0
+    unlimited = Admission(None)
+    unlimited.run(3, lambda: sent.append("now"))
+    assert sent[-1] == "now"
+
+
 def test_a_killed_worker_fails_its_episodes_only_and_is_started_again() -> None:
     runner = _process_runner()
     try:

@@ -46,7 +46,8 @@ class EnvironmentConfig(StrictModel):
     kwargs: dict[str, Any] = Field(default_factory=dict, description="given to the game's or class's constructor")
     timeout_seconds: float = Field(30.0, gt=0, description="a reset or step running longer fails its episode "
                                    "(counted in env/failures); the run goes on")
-    workers: int = Field(64, ge=1, description="environment calls running at once, over all episodes of a step")
+    workers: int = Field(64, ge=1, description="environment calls running at once: over all episodes of a step "
+                         "in threads, per worker with worker processes (more wait their turn in the rollout)")
     max_retries: int = Field(1, ge=0, description="an episode whose environment failed is run again from a "
                              "fresh reset (same seed), up to this many times; each failure counts in env/failures")
     num_workers: int = Field(0, ge=0, description="worker processes holding the environments (a crash or hang "

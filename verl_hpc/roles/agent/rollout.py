@@ -66,7 +66,7 @@ def env_runner(multi_turn: Any, num_workers: int | None = None, home: Any = None
 
             log.info("environment workers: %d of the env component (%s)", home.num_workers, home.directory)
             return ProcessEnvRunner(remote_starter(home, RECONNECT_S), home.num_workers, env.timeout_seconds,
-                                    env.players)
+                                    env.players, env.workers)
         return ProcessEnvRunner.local(env_spec(env), count, env.timeout_seconds)
     if env.players == 2:  # self-play: both seats of each match in threads here
         from verl_hpc.roles.env.match import MatchRunner

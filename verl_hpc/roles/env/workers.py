@@ -13,6 +13,7 @@ reconnected once its node restarted it) for the next episodes; the run goes on.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures as cf
 import contextlib
 import itertools
@@ -108,6 +109,56 @@ class EnvWorker:
         self.link.fail_all()
 
 
+class Admission:
+    """At most `limit` requests in flight per worker; the others wait here, in order (back-pressure).
+
+    Why: a worker answers on `threads` threads, and requests beyond them would queue inside it while
+    their timeout already runs — a worker that falls behind would fail episodes whose environments
+    never hung. Held here, a request's timeout starts when the worker can take it. A request that
+    timed out gives its place back (its call may hang for good; the worker's queue takes over then).
+    """
+
+    def __init__(self, limit: int | None):
+        self.limit = limit
+        self.busy: dict[int, int] = {}
+        self.waiting: dict[int, collections.deque[Callable[[], None]]] = {}
+        self._lock = threading.Lock()
+        self._local = threading.local()
+
+    def run(self, worker: int, send: Callable[[], None]) -> None:
+        """`send()` now if `worker` has a free place, else once one is released."""
+        with self._lock:
+            if self.limit is not None and self.busy.get(worker, 0) >= self.limit:
+                self.waiting.setdefault(worker, collections.deque()).append(send)
+                return
+            self.busy[worker] = self.busy.get(worker, 0) + 1
+        send()
+
+    def release(self, worker: int) -> None:
+        """A request to `worker` was answered (or timed out): the next waiting one goes."""
+        with self._lock:
+            self.busy[worker] = max(0, self.busy.get(worker, 0) - 1)
+        self._drain()
+
+    def _drain(self) -> None:
+        """Send what fits; a loop, not recursion: a send to a dead worker is answered (and released) at once."""
+        if getattr(self._local, "draining", False):
+            return  # the loop further up this thread's stack goes on
+        self._local.draining = True
+        try:
+            while True:
+                with self._lock:
+                    ready = next((w for w, queue in self.waiting.items()
+                                  if queue and self.busy.get(w, 0) < (self.limit or 0)), None)
+                    if ready is None:
+                        return
+                    send = self.waiting[ready].popleft()
+                    self.busy[ready] = self.busy.get(ready, 0) + 1
+                send()
+        finally:
+            self._local.draining = False
+
+
 class ProcessEnvRunner:
     """`EnvRunner`'s interface over worker processes: each episode's environment lives in one worker.
 
@@ -115,8 +166,10 @@ class ProcessEnvRunner:
     link to a worker of the Slurm env component (`remote.remote_starter`). With `players: 2` both
     seats of a self-play match live in one worker (`match.MatchHost`), started together."""
 
-    def __init__(self, start: Callable[[int], WorkerLink], num_workers: int, timeout: float, players: int = 1):
+    def __init__(self, start: Callable[[int], WorkerLink], num_workers: int, timeout: float, players: int = 1,
+                 in_flight: int | None = None):
         self.start, self.timeout, self.players = start, timeout, players
+        self.admission = Admission(in_flight)  # requests per worker at once: its threads
         self.workers = [start(i) for i in range(num_workers)]
         self.restarts = 0
         self._ids = itertools.count()
@@ -134,7 +187,7 @@ class ProcessEnvRunner:
             log = os.path.join(log_dir, f"env_worker{index}.out") if log_dir else None
             return EnvWorker(index, spec, log, connect_timeout=max(60.0, timeout))
 
-        return cls(start, num_workers, timeout, int(spec.get("players", 1)))
+        return cls(start, num_workers, timeout, int(spec.get("players", 1)), int(spec.get("threads", 16)))
 
     def _worker(self, episode: str) -> WorkerLink:
         """The episode's worker, chosen in turn when the episode begins.
@@ -190,23 +243,28 @@ class ProcessEnvRunner:
         """One request about `episodes[0]` (a match start: all of `episodes`) to its worker; the
         future gets `decode(status, payload, started, parked)`, or `failed(why, seconds)` when no worker
         is reached or none answers within the timeout."""
-        started = time.perf_counter()
         done: cf.Future = cf.Future()
         try:
-            worker = worker or self._worker(episodes[0])
+            link = worker or self._worker(episodes[0])
             # before the request: a seat's observation may come back before the answer that parks it
-            parked = {name: worker.expect(name) for name in episodes} if self.players == 2 else {}
-            raw = worker.request(next(self._ids), op, episodes[0], payload)
+            parked = {name: link.expect(name) for name in episodes} if self.players == 2 else {}
         except EnvFailure as err:  # no worker could be started or reached
             done.set_result(failed(str(err), 0.0))
             return done
 
-        def settle(_: cf.Future) -> None:
-            with contextlib.suppress(cf.InvalidStateError):  # the timeout came first
-                done.set_result(decode(*raw.result(), started, parked))
+        def send() -> None:  # when the worker has a free thread: the timeout runs from here
+            started = time.perf_counter()
+            raw = link.request(next(self._ids), op, episodes[0], payload)
 
-        raw.add_done_callback(settle)
-        self._sweeper.settle_at(done, self.timeout, failed(f"no answer within {self.timeout:g} s", self.timeout))
+            def settle(_: cf.Future) -> None:
+                with contextlib.suppress(cf.InvalidStateError):  # the timeout came first
+                    done.set_result(decode(*raw.result(), started, parked))
+
+            raw.add_done_callback(settle)
+            self._sweeper.settle_at(done, self.timeout, failed(f"no answer within {self.timeout:g} s", self.timeout))
+
+        done.add_done_callback(lambda _: self.admission.release(link.index))
+        self.admission.run(link.index, send)
         return done
 
     def _call(self, episode: str, op: str, payload: Any) -> cf.Future:
