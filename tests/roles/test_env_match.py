@@ -64,7 +64,14 @@ def test_each_seat_waits_for_the_others_move_and_both_get_the_games_rewards(wher
 def test_a_seat_that_leaves_ends_its_opponents_game_and_a_lone_seat_has_no_match(where: str) -> None:
     runner = MatchRunner("TicTacToe-v0", {}, workers=2, timeout=30) if where == "threads" else _worker_runner()
     _, first1 = runner.reset_all([(SEAT0, 5, {}), (SEAT1, 5, {})])
+    ops: list[str] = []
+    if where == "workers":  # count what goes over the wire
+        link = runner.workers[runner._home[SEAT0]]
+        request = link.request
+        link.request = lambda *args: (ops.append(args[1]), request(*args))[1]
     runner.left(SEAT0)  # seat 0 ran out of budget before its first move
+    runner.left(SEAT0)  # the loop reports an ended episode after every round: told once is enough
+    assert ops.count("left") == (1 if where == "workers" else 0)
     alone = first1.later.result(timeout=30)
     assert (alone.reply.reward, alone.reply.done) == (0.0, True)
     assert alone.reply.text.startswith("You are Player 1") and alone.reply.text.endswith(LEFT)

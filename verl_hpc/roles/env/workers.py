@@ -178,6 +178,7 @@ class ProcessEnvRunner:
         self._lock = threading.Lock()
         self._sweeper = TimeoutSweeper()
         self._down_until: dict[int, float] = {}  # workers that could not be started again, until when
+        self._left: set[str] = set()  # self-play episodes whose worker was told they left
 
     @classmethod
     def local(cls, spec: dict[str, Any], num_workers: int, timeout: float,
@@ -319,12 +320,15 @@ class ProcessEnvRunner:
         return self._call(episode, "step", action)
 
     def left(self, episode: str) -> None:
-        """Self-play: the episode ended before its game; its worker tells the other seat (`MatchRunner.left`)."""
+        """Self-play: the episode ended before its game; its worker tells the other seat (`MatchRunner.left`).
+        Sent once per episode: the loop reports ended episodes after every round."""
         index = self._home.get(episode)
-        if self.players == 2 and index is not None and self.workers[index].alive:
+        if self.players == 2 and index is not None and episode not in self._left and self.workers[index].alive:
+            self._left.add(episode)
             self.workers[index].request(next(self._ids), "left", episode, None)
 
     def finish(self, episode: str) -> None:
+        self._left.discard(episode)
         index = self._home.pop(episode, None)  # atomic: a restart's lock is not waited for
         if index is not None:
             self.workers[index].forget(episode)
