@@ -55,6 +55,7 @@ def _tree(root: psutil.Process) -> list[psutil.Process]:
 def sample(root: psutil.Process) -> dict[str, float] | None:
     """RSS (MB), fds, threads of the whole tree, and its number of child processes; None once it is gone."""
     rss = fds = threads = 0
+    names: list[str] = []
     procs = _tree(root)
     for proc in procs:
         try:
@@ -62,9 +63,22 @@ def sample(root: psutil.Process) -> dict[str, float] | None:
                 rss += proc.memory_info().rss
                 fds += proc.num_fds()
                 threads += proc.num_threads()
+            names += _thread_names(proc.pid)
         except (psutil.NoSuchProcess, psutil.ZombieProcess):
             continue
-    return {"rss_mb": rss / 2**20, "fds": fds, "threads": threads, "children": len(procs) - 1} if procs else None
+    return {"rss_mb": rss / 2**20, "fds": fds, "threads": threads, "children": len(procs) - 1,
+            "thread_names": ",".join(sorted(names))} if procs else None
+
+
+def _thread_names(pid: int) -> list[str]:
+    """The names of a process's threads (Linux), so a rising thread floor says which thread stayed."""
+    out = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            out.append((task / "comm").read_text().strip())
+        except OSError:
+            continue
+    return out
 
 
 def last_step(metrics: Path) -> int:
@@ -129,6 +143,9 @@ def analyse(samples: list[dict[str, float]], final_step: int | None = None) -> d
     ranges = {k: {"min": min(s[k] for s in late), "max": max(s[k] for s in late),
                   "floor_first": min(s[k] for s in late[:third]), "floor_last": min(s[k] for s in late[-third:])}
               for k in ("fds", "threads", "children")}
+    if all("thread_names" in s for s in late):  # which threads each floor holds: a failure names the one that stayed
+        for end, part in (("first", late[:third]), ("last", late[-third:])):
+            ranges["threads"][f"names_{end}"] = min(part, key=lambda s: s["threads"])["thread_names"]
     return {"n_samples": len(samples), "window_steps": [xs[0], xs[-1]], "rss_slope_mb_per_1k_steps": slope * 1000,
             "rss_mb": {"first": samples[0]["rss_mb"], "window_start": ys[0], "last": ys[-1]}, "ranges": ranges}
 

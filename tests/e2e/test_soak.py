@@ -34,6 +34,27 @@ def test_analyse_fits_the_second_half() -> None:
                                    "children_stable": True}
     flat = soak.analyse(_samples(0.0, threads_at={25: 31}))
     assert flat["rss_slope_mb_per_1k_steps"] == pytest.approx(0.0) and all(soak.verdicts(flat).values())
+    for sample in samples:  # with the threads' names sampled, a miss names the thread that stayed
+        sample["thread_names"] = "main" + (",checkpoint-commit_0" if sample["threads"] == 31 else "")
+    named = soak.analyse(samples, final_step=400)["ranges"]["threads"]
+    assert (named["names_first"], named["names_last"]) == ("main", "main,checkpoint-commit_0")
+
+
+def test_a_sample_names_the_threads_of_every_process_in_the_tree() -> None:
+    """One name per thread, as the kernel knows them (native threads name themselves — gloo, OpenMP,
+    TCMalloc —; Python's threads carry the process's name on this Python)."""
+    import threading
+
+    import psutil
+
+    started = threading.Event()
+    waiter = threading.Thread(target=started.wait, daemon=True)
+    waiter.start()
+    try:
+        now = soak.sample(psutil.Process())
+    finally:
+        started.set()
+    assert now is not None and now["threads"] >= 2 and len(now["thread_names"].split(",")) == now["threads"]
 
 
 def test_last_step_reads_the_tail_and_skips_a_torn_line(tmp_path: Path) -> None:
