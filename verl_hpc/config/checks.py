@@ -380,6 +380,13 @@ def check_multi_turn(cfg: RunConfig) -> None:
         path = getattr(mt, key)
         if path is not None and not expand_path(path).is_file():
             raise FieldError(f"{field}.{key}", f"{path} does not exist", "give the path of an existing file")
+    if mt.partial_rollouts and cfg.algorithm.max_staleness < 1:
+        raise FieldError(f"{field}.partial_rollouts", "episodes can span a weight update only while the rollout "
+                         "runs ahead of the trainer", "set algorithm.max_staleness: 1 and resources.placement: split")
+    if mt.partial_rollouts and cfg.resources.rollout.strategy == "vllm":
+        raise FieldError(f"{field}.partial_rollouts", "vLLM serves each turn as a request of its running batch; "
+                         "new weights are taken between the hf engine's rounds only", "use resources.rollout."
+                         "strategy: hf, or remove partial_rollouts (vLLM then updates between steps)")
     if cfg.algorithm.estimator.greedy_baseline:
         raise FieldError("algorithm.adv_estimator", f"{cfg.algorithm.adv_estimator} needs greedy single-turn "
                          "baselines, which agent episodes do not have", "use grpo, rloo, reinforce_pp or gae")

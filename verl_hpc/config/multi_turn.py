@@ -96,6 +96,11 @@ class MultiTurnConfig(StrictModel):
     deterministic_rounds: bool = Field(False, description="each generation round waits for every tool call the "
                                        "previous one started: the same seed samples the same episodes (exact "
                                        "resume), but tool latency is no longer hidden behind generation")
+    partial_rollouts: bool = Field(False, description="episodes may span a weight update: between two "
+                                   "generation rounds a rollout rank takes the trainer's newer weights as soon as "
+                                   "they arrive, and each turn keeps the policy version that sampled it. Needs "
+                                   "placement split, algorithm.max_staleness >= 1 and the hf engine; the turns "
+                                   "then depend on timing, so a resumed run is no longer bitwise the same")
     add_tool_rewards: bool = Field(False, description="add the rewards tools return (turn-level) to the score")
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig, description="the code tool's limits")
     environment: EnvironmentConfig | None = Field(None, description="an environment answers each final turn "

@@ -19,7 +19,7 @@ import concurrent.futures as cf
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from verl_hpc.roles.agent.continuous import run_continuous, takes_requests
@@ -73,6 +73,9 @@ class AgentLoop:
         self.max_context = max_context
         self.max_new_tokens = 0  # the model's token budget of the episodes in flight (sampling.max_new_tokens)
         self.round_seconds = 0.0  # the latest round's generation time: how long replies are gathered
+        # Partial rollouts: called before each round with the version in hand, returns the version the
+        # engine holds then (a split rollout rank takes newer weights here, if the trainer sent them).
+        self.refresh_weights: Callable[[int], int] | None = None
 
     def start(self, key: tuple[int, int, int], prompt: Any, tools_kwargs: dict[str, Any] | None,
               first: EnvOutcome | None = None) -> Episode:
@@ -122,6 +125,8 @@ class AgentLoop:
         while ready or waiting:
             self.release_ended(episodes)
             if ready:
+                if self.refresh_weights is not None:
+                    version = self.refresh_weights(version)
                 self.generate_round(ready, sampling, version)
                 waiting += [e for e in ready if e.pending is not None]
                 ready = []

@@ -41,6 +41,10 @@ class RolloutService:
         self.last_sync_bytes = 0
         self.sent_bytes = 0    # the Arrow bytes of this step's batch, for serve_metrics
         self.sent_version = 0  # ... and the policy version that sampled it
+        self.next_sync: int | None = None  # the trainer step whose weights the next sync carries
+        self.stopped = False  # a stop arrived between two rounds (partial rollouts)
+        if roles.agent is not None and cfg.rollout.multi_turn.partial_rollouts:
+            roles.agent.loop.refresh_weights = self.between_rounds
 
     @property
     def engine(self) -> Any:
@@ -54,13 +58,20 @@ class RolloutService:
 
     def serve_rollout(self, step: int, indices: list[int], timer: Timer, sampler: PromptSampler) -> bool:
         lag, resume = self.cfg.algorithm.max_staleness, self.links.resume
+        if self.next_sync is None:
+            self.next_sync = resume.step + 1
         if step <= resume.step + resume.buffered_steps:
             return True  # this step's rollouts were restored from the checkpoint
+        if self.stopped:
+            return False
         if step > resume.step + lag + 1:
-            with timer("update_weights"):
-                if self.receive() == STOP_VERSION:
-                    return False
-            self.put_validation(step - lag - 1)  # these weights are trainer step (step - lag - 1)'s
+            due = step - lag - 1  # these weights are trainer step (step - lag - 1)'s
+            if self.next_sync <= due:  # not already taken between two rounds of the last step
+                with timer("update_weights"):
+                    if self.receive() == STOP_VERSION:
+                        return False
+                self.next_sync = due + 1
+            self.put_validation(due)
         elif step == 1:
             self.put_validation(0)
         n = self.cfg.algorithm.sampling.n
@@ -137,6 +148,28 @@ class RolloutService:
                     batch, self.links.owners(self.cfg, self.roles, batch, validation=True))
             except Exception:  # the trainer shut its server down: a stop, seen at the next receive
                 log.info("validation rows for step %d not delivered: the trainer stopped", trained)
+
+    def between_rounds(self, version: int) -> int:
+        """Partial rollouts: the trainer's newer weights, if they have arrived, before the next round.
+
+        Why here: a turn sampled from fresher weights is less off-policy, and the episodes in
+        flight need not wait for a step boundary to get them. A sync whose step is validated
+        is left for the boundary, where its validation rows are generated with exactly those
+        weights; a stop ends the step's serving at its boundary. Past the last step whose weights
+        generate a batch no sync is certain to come, so none is waited for (`arrived` posts a receive).
+        """
+        trained = self.next_sync
+        if self.stopped or trained is None or trained > last_needed(self.cfg) or validation.due(self.cfg, trained):
+            return version
+        if not self.weights.arrived():
+            return version
+        if self.receive() == STOP_VERSION:
+            self.stopped = True
+            return version
+        self.next_sync = trained + 1
+        log.debug("weights of trainer step %d taken between rounds (policy version %d)", trained,
+                  self.engine.policy_version)
+        return int(self.engine.policy_version)
 
     def receive(self) -> int:
         """The newest weights into the engine; returns their version (STOP_VERSION: stop)."""

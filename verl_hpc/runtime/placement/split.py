@@ -28,6 +28,7 @@ from verl_hpc.runtime.placement.distributed import DistributedLifecycle, Distrib
 from verl_hpc.runtime.process.dist import DistContext
 from verl_hpc.runtime.step import validation
 from verl_hpc.runtime.step.counters import Timer
+from verl_hpc.runtime.step.metrics import turn_versions
 from verl_hpc.runtime.step.stages import SyncReport
 from verl_hpc.transport.rollouts.intake import BUFFER_FILE, RolloutRouter, TrainerIntake, bind_host, positions
 from verl_hpc.transport.weights.base import WeightSender
@@ -175,8 +176,9 @@ class SplitStages(DistributedStages):
                 "(hint: see logs/rollout_rank*.out)")
 
     def check_staleness(self, batch: RolloutBatch, policy_version: int, step: int) -> None:
-        """Every trainer rank raises alike: the largest lag over all of them decides."""
-        own = policy_version - min(batch.column("policy_version").to_pylist(), default=policy_version)
+        """Every trainer rank raises alike: the largest lag over all of them decides. The bound holds
+        per turn: an episode's oldest turn counts (with partial rollouts its later turns are newer)."""
+        own = policy_version - min((v for row in turn_versions(batch) for v in row), default=policy_version)
         lag = int(self.collectives.reduce_max(torch.tensor([own], dtype=torch.float64))[0])
         if lag > self.cfg.algorithm.max_staleness:
             raise RuntimeError(f"step {step}: a rollout is {lag} policy versions old, above "

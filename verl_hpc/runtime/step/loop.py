@@ -28,6 +28,8 @@ from verl_hpc.runtime.step.metrics import (
     perf_metrics,
     prefixed,
     sync_metrics,
+    turn_versions,
+    version_metrics,
 )
 from verl_hpc.runtime.step.stages import Placement, Stages, StepData, SyncReport
 
@@ -67,7 +69,7 @@ class RLTrainer(StepCounters):
             batch, round_metrics = self.collect_rollouts(indices, timer)
             if batch is None:
                 return None
-            lag = self.policy_version - min(batch.column("policy_version").to_pylist())
+            versions = version_metrics(turn_versions(batch), self.policy_version)
             data = stages.step_data(batch)
             self.forward_passes(data, timer)
             with timer("adv"):
@@ -95,7 +97,7 @@ class RLTrainer(StepCounters):
         self.lifecycle.record(self.step, batch)
         memory = stages.memory_boundary(data)  # every trainer rank: a re-plan is agreed over all of them
         metrics = self.step_metrics(data, self.collectives.mean_metrics(train_metrics), timer, sync)
-        return {**metrics, **memory, **intake, "rollout/policy_lag": float(lag)} if metrics else metrics
+        return {**metrics, **memory, **intake, **versions} if metrics else metrics
 
     def collect_rollouts(self, indices: list[int], timer: Timer) -> tuple[RolloutBatch | None, dict[str, float]]:
         """This rank's scored rows of the step: one generation round, or DAPO's dynamic sampling."""

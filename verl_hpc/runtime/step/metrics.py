@@ -211,3 +211,27 @@ def sync_metrics(moved: int, seconds: float, overlapped: bool = False) -> dict[s
         return {"perf/weight_sync_bytes": float(moved), "perf/weight_sync_overlapped": 1.0}
     return {"perf/weight_sync_bytes": float(moved),
             "perf/weight_sync_gbps": moved / seconds / 1e9 if moved and seconds > 0 else 0.0}
+
+
+def turn_versions(batch: RolloutBatch) -> list[list[int]]:
+    """The policy version of each turn of each row: a multi-turn row's own stamps, else its row's."""
+    rows = batch.column("policy_version").to_pylist()
+    if batch.is_trajectory and batch.has("turn_versions"):
+        return [turns or [row] for turns, row in zip(batch.column("turn_versions").to_pylist(), rows, strict=True)]
+    return [[row] for row in rows]
+
+
+def version_metrics(versions: list[list[int]], policy_version: int) -> dict[str, float]:
+    """How old the step's turns are against the trainer's `policy_version`.
+
+    `rollout/policy_lag` is the oldest turn's lag (the one `algorithm.max_staleness` bounds);
+    with partial rollouts an episode's later turns may come from newer weights, which
+    `rollout/turn_policy_lag_mean` and `rollout/spanning_episodes` (the share of episodes
+    whose turns come from more than one version) show.
+    """
+    turns = [v for row in versions for v in row]
+    if not turns:
+        return {}
+    return {"rollout/policy_lag": float(policy_version - min(turns)),
+            "rollout/turn_policy_lag_mean": policy_version - sum(turns) / len(turns),
+            "rollout/spanning_episodes": sum(len(set(row)) > 1 for row in versions) / len(versions)}

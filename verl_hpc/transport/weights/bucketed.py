@@ -242,10 +242,22 @@ def _pack(tensors: list[torch.Tensor], buffer: torch.Tensor) -> torch.Tensor:
     return buffer[:offset]
 
 
+def _check_header(header: torch.Tensor, specs: list[tuple[str, torch.Size]], rows_reachable: bool) -> int:
+    """The elements `specs` hold, once the header agrees with them and with this rank's links."""
+    elements = sum(shape.numel() for _, shape in specs)
+    if int(header[1]) != len(specs) or int(header[2]) != elements:
+        raise WeightSyncError(f"actor and rollout models differ: sender has {int(header[1])} tensors / "
+                              f"{int(header[2])} elements, receiver {len(specs)} / {elements}")
+    if int(header[3]) == FROM_EVERY_RANK and not rows_reachable:
+        raise WeightSyncError("the trainer ranks send their own rows, but this rank has no link to them")
+    return elements
+
+
 def receive_weights(specs: list[tuple[str, torch.Size]], group: dist.ProcessGroup, src: int,
                     bucket_bytes: int = DEFAULT_BUCKET_BYTES, device: torch.device | str = "cpu",
                     into: torch.Tensor | None = None, relay: Relay | None = None,
-                    shards: ShardReceiver | None = None) -> tuple[int, Iterator[tuple[str, torch.Tensor]]]:
+                    shards: ShardReceiver | None = None, header: torch.Tensor | None = None,
+                    ) -> tuple[int, Iterator[tuple[str, torch.Tensor]]]:
     """Receiver side of `broadcast_weights`: the version, then (name, tensor) as buckets land.
 
     The iterator must be consumed to the end (each bucket is a collective); an engine's
@@ -256,17 +268,14 @@ def receive_weights(specs: list[tuple[str, torch.Size]], group: dist.ProcessGrou
     memory, one bucket ahead, which the consumer may keep (vLLM's loader holds them all).
     `relay`: buckets come from the previous link of the chain and go on to the next.
     `shards`: buckets come from every trainer rank at once, each its rows (`shard_sync.py`).
+    `header`: the sync's header if already received (a rank that polled for it: `BucketReceiver.arrived`).
     """
-    header = broadcast_kept(torch.empty(4, dtype=torch.int64, device=device), src, group)
+    if header is None:
+        header = broadcast_kept(torch.empty(4, dtype=torch.int64, device=device), src, group)
     version = int(header[0])
     if version == STOP_VERSION:
         return STOP_VERSION, iter(())
-    elements = sum(shape.numel() for _, shape in specs)
-    if int(header[1]) != len(specs) or int(header[2]) != elements:
-        raise WeightSyncError(f"actor and rollout models differ: sender has {int(header[1])} tensors / "
-                              f"{int(header[2])} elements, receiver {len(specs)} / {elements}")
-    if int(header[3]) == FROM_EVERY_RANK and shards is None and (relay is None or relay.up_rank == src):
-        raise WeightSyncError("the trainer ranks send their own rows, but this rank has no link to them")
+    elements = _check_header(header, specs, shards is not None or (relay is not None and relay.up_rank != src))
     shards = shards if int(header[3]) == FROM_EVERY_RANK else None
     data_group, data_src = (relay.up, relay.up_rank) if relay is not None and relay.up is not None else (group, src)
     buckets = _buckets([(n, shape.numel() * WIRE_DTYPE.itemsize) for n, shape in specs], bucket_bytes)
