@@ -149,6 +149,22 @@ def test_environment_turns_are_inserted_user_turns_and_rewards_add_up(agent_dir:
     agent.close()
 
 
+def test_without_the_first_observation_the_rows_prompt_alone_opens_the_episode(agent_dir: Path) -> None:
+    import torch
+
+    env = EnvironmentConfig(source="python", id=PLUGIN, kwargs={"turns": 3}, first_observation=False)
+    agent, tok = _agent(agent_dir, env, deterministic=True)
+    torch.manual_seed(0)
+    batch, records = _rows(agent, 4)
+    for record, prompt in zip(records, batch.column("prompt_ids").to_pylist(), strict=True):
+        assert [m["role"] for m in record["messages"][:2]] == ["system", "assistant"]  # no reset text between
+        assert "what is it" not in tok.decode(prompt)
+        users = [m["content"] for m in record["messages"] if m["role"] == "user"]
+        assert users == [f"answer {3 - k}" for k in range(1, len(users) + 1)]  # the environment speaks from step 1
+    assert agent.metrics()["env/failures"] == 0
+    agent.close()
+
+
 @needs_textarena
 def test_a_turn_cut_at_max_tokens_per_turn_is_a_whole_turn_the_game_answers(agent_dir: Path) -> None:
     import torch

@@ -57,6 +57,11 @@ class EnvironmentConfig(StrictModel):
                                        "(`textarena.wrappers`), outermost first, that each model turn goes "
                                        "through before the game reads it: ActionFormattingWrapper brackets a bare "
                                        "`7` into the `[7]` games parse; textarena only")
+    first_observation: bool = Field(True, description="the reset's observation (a TextArena game's rules and "
+                                    "opening) is the episode's first user turn, after the row's prompt; false: "
+                                    "the row's prompt alone opens the episode and the environment speaks from "
+                                    "its first step on (a prompt that states the task, a model that cannot "
+                                    "read the rules)")
     players: int = Field(1, ge=1, le=2, description="2: self-play, the policy plays both seats of a two-player "
                          "TextArena game (e.g. TicTacToe-v0); the samples of a prompt pair into matches (sample 2k "
                          "seat 0, 2k+1 seat 1, the row's seed), each seat an episode with its own reward")

@@ -79,11 +79,13 @@ class AgentLoop:
 
     def start(self, key: tuple[int, int, int], prompt: Any, tools_kwargs: dict[str, Any] | None,
               first: EnvOutcome | None = None) -> Episode:
-        """A new episode; with an environment, its reset's observation (`first`) is the last user turn."""
+        """A new episode; with an environment, its reset's observation (`first`) is the last user turn
+        (unless `environment.first_observation` is off)."""
         from verl_hpc.roles.agent.render import as_messages
 
         messages = as_messages(prompt)
-        if first is not None and first.reply is not None:
+        shown = self.cfg.environment is None or self.cfg.environment.first_observation
+        if first is not None and first.reply is not None and shown:
             messages.append({"role": "user", "content": first.reply.text})
         episode = Episode(key, self.renderer.prompt_ids(messages), messages, dict(tools_kwargs or {}))
         if first is not None:
