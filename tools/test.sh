@@ -69,7 +69,7 @@ beside=(tests/reliability tests/runtime/test_resume.py tests/e2e/test_dist_e2e.p
         tests/roles/test_lora.py tests/metrics/test_prometheus.py tests/e2e/test_soak.py
         tests/runtime/test_placement_equivalence.py tests/algo/test_preset_learning.py
         tests/runtime/test_run_identity.py tests/runtime/test_dpo.py tests/transport/test_weight_relay.py
-        tests/roles/test_env_remote.py tests/runtime/test_partial_rollouts.py)
+        tests/roles/test_env_remote.py tests/runtime/test_partial_rollouts.py tests/roles/test_env_learning.py)
 .venv/bin/python -m pytest "${slurm[@]}" --basetemp="$scratch/slurm" >"$scratch/slurm-tests.log" 2>&1 &
 slurm_pid=$!
 .venv/bin/python -m pytest "${beside[@]}" --basetemp="$scratch/beside" >"$scratch/beside-tests.log" 2>&1 &
