@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import yaml
@@ -78,3 +79,50 @@ def test_partial_rollouts_are_refused_where_no_round_can_take_new_weights(tmp_pa
     with pytest.raises(ConfigError) as err:
         load_config(write_config(tmp_path), [override])
     assert "rollout.multi_turn.partial_rollouts" in str(err.value) and named in str(err.value)
+
+
+class _Weights:
+    def __init__(self, arrived: bool):
+        self.is_in, self.asked = arrived, 0
+
+    def arrived(self) -> bool:
+        self.asked += 1
+        return self.is_in
+
+
+def _service(tmp_path: Path, arrived: bool, version_received: int, **state: object) -> SimpleNamespace:
+    """What `RolloutService.between_rounds` reads, around a real config: 8 steps, validated every 4."""
+    val = tmp_path / "val.jsonl"
+    val.write_text(json.dumps({"prompt": [{"role": "user", "content": "x"}], "extra_info": {"env_seed": 0}}) + "\n")
+    cfg = load_config(write_config(tmp_path), ["trainer.total_steps=8", "trainer.test_freq=4",
+                                               f"data.val_files=[{val}]"])
+    service = SimpleNamespace(cfg=cfg, weights=_Weights(arrived), engine=SimpleNamespace(policy_version=1),
+                              stopped=False, validating=False, next_sync=2, **state)
+
+    def receive() -> int:
+        service.engine.policy_version = version_received
+        return version_received
+
+    service.receive = receive
+    return service
+
+
+def test_between_rounds_takes_weights_only_when_they_are_in_and_no_validation_needs_these(tmp_path: Path) -> None:
+    from verl_hpc.runtime.placement.rollout_service import RolloutService
+    from verl_hpc.transport.weights.bucketed import STOP_VERSION
+
+    taken = _service(tmp_path, arrived=True, version_received=2)
+    assert RolloutService.between_rounds(taken, 1) == 2 and taken.next_sync == 3
+    waiting = _service(tmp_path, arrived=False, version_received=2)
+    assert RolloutService.between_rounds(waiting, 1) == 1 and waiting.next_sync == 2
+    held = _service(tmp_path, arrived=True, version_received=2)
+    held.validating = True  # validation rows in progress: all from the weights they started with
+    assert RolloutService.between_rounds(held, 1) == 1 and held.weights.asked == 0
+    validated = _service(tmp_path, arrived=True, version_received=4)
+    validated.next_sync = 4  # step 4 is validated: its weights are taken at the boundary, with its rows
+    assert RolloutService.between_rounds(validated, 3) == 3 and validated.weights.asked == 0
+    beyond = _service(tmp_path, arrived=True, version_received=7)
+    beyond.next_sync = 7  # past the last step whose weights generate a batch (8 - 1 - 1): none will come
+    assert RolloutService.between_rounds(beyond, 6) == 6 and beyond.weights.asked == 0
+    stop = _service(tmp_path, arrived=True, version_received=STOP_VERSION)
+    assert RolloutService.between_rounds(stop, 1) == 1 and stop.stopped and stop.next_sync == 2

@@ -43,6 +43,7 @@ class RolloutService:
         self.sent_version = 0  # ... and the policy version that sampled it
         self.next_sync: int | None = None  # the trainer step whose weights the next sync carries
         self.stopped = False  # a stop arrived between two rounds (partial rollouts)
+        self.validating = False  # validation rows are being generated: no weights are taken meanwhile
         if roles.agent is not None and cfg.rollout.multi_turn.partial_rollouts:
             roles.agent.loop.refresh_weights = self.between_rounds
 
@@ -140,8 +141,12 @@ class RolloutService:
         self.heartbeat.enter(f"step {trained} validation")
         total = len(self.roles.val_prompt_ids or [])
         start, end = even_slices(total, self.ctx.group.size, self.ctx.rank_in_group)
-        batch = validation.validation_rows(self.roles, self.cfg, start, end, self.engine.policy_version,
-                                           val_key(trained))
+        self.validating = True  # every validation turn from these weights: none taken between its rounds
+        try:
+            batch = validation.validation_rows(self.roles, self.cfg, start, end, self.engine.policy_version,
+                                               val_key(trained))
+        finally:
+            self.validating = False
         if len(batch):
             try:
                 self.links.router.put(  # type: ignore[union-attr]
@@ -155,11 +160,13 @@ class RolloutService:
         Why here: a turn sampled from fresher weights is less off-policy, and the episodes in
         flight need not wait for a step boundary to get them. A sync whose step is validated
         is left for the boundary, where its validation rows are generated with exactly those
-        weights; a stop ends the step's serving at its boundary. Past the last step whose weights
-        generate a batch no sync is certain to come, so none is waited for (`arrived` posts a receive).
+        weights, and none is taken while validation rows are generated. A stop ends the step's
+        serving at its boundary. Past the last step whose weights generate a batch no sync is
+        certain to come, so none is waited for (`arrived` posts a receive).
         """
         trained = self.next_sync
-        if self.stopped or trained is None or trained > last_needed(self.cfg) or validation.due(self.cfg, trained):
+        if self.stopped or self.validating or trained is None or trained > last_needed(self.cfg) \
+                or validation.due(self.cfg, trained):
             return version
         if not self.weights.arrived():
             return version
