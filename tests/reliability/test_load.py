@@ -27,16 +27,19 @@ def load(*args: str) -> dict:
 
 @pytest.mark.parametrize("route", ["flight", "local"])
 def test_32_producers_nothing_lost_or_doubled_and_memory_bounded(route: str) -> None:
-    short, long = (load("--producers", "32", "--batches", str(n), "--route", route) for n in (2, 12))
+    # The short run is long enough to reach the long one's concurrency (every producer with a batch in
+    # flight, the buffer full): under load a 2-batch run peaked 20 MiB lower than on a quiet machine,
+    # which is noise in the baseline, not memory the traffic added.
+    short, long = (load("--producers", "32", "--batches", str(n), "--route", route) for n in (4, 24))
     for run in (short, long):
-        assert run["batches_received"] == run["batches_sent"] == 32 * (2 if run is short else 12)
+        assert run["batches_received"] == run["batches_sent"] == 32 * (4 if run is short else 24)
         assert run["lost"] == run["duplicated_or_unknown"] == run["server_duplicates"] == 0, run
         assert not run["errors"], run
         assert run["max_queued"] <= run["capacity"], run
         assert run["local_batches"] == (run["batches_sent"] if route == "local" else 0), run
     assert long["max_queued"] == long["capacity"] and long["max_blocked_puts"] >= 1, long  # producers waited
     traffic_added = long["mib_sent"] - short["mib_sent"]
-    assert traffic_added > 100, (short, long)
+    assert traffic_added > 200, (short, long)
     # Six times the traffic, yet memory grows by well under half of what was added.
     assert long["peak_rss_growth_mib"] < short["peak_rss_growth_mib"] + 0.5 * traffic_added, (short, long)
 
