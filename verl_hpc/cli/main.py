@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 from verl_hpc.cli.elastic_cmds import ELASTIC_PARSERS
 from verl_hpc.cli.report_cmds import REPORT_PARSERS
+from verl_hpc.cli.serve_cmds import SERVE_PARSERS
 from verl_hpc.cli.slurm_cmds import SLURM_PARSERS
 from verl_hpc.cli.verl_cmds import VERL_PARSERS
 from verl_hpc.config import ConfigError
@@ -29,6 +30,7 @@ EPILOG = """examples:
   verl-hpc config show configs/quickstart.yaml           # the resolved, validated config
   verl-hpc plan configs/smollm2_gsm8k.yaml               # the memory plan and estimate, without training
   verl-hpc ckpt list runs/quickstart
+  verl-hpc serve configs/verifiers_calc.yaml --port 8000    # the policy at POST /inference/v1/generate
   verl-hpc verl algorithm.adv_estimator=grpo data.train_files=train.parquet ...   # a verl command line
 
 Run `verl-hpc COMMAND --help` for a command's options; docs: README.md and docs/."""
@@ -198,7 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"verl-hpc {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for add in (_add_train, _add_config, _add_plan, _add_init_model, _add_ckpt, _add_export, *SLURM_PARSERS,
-                *ELASTIC_PARSERS, *REPORT_PARSERS, *VERL_PARSERS):
+                *ELASTIC_PARSERS, *REPORT_PARSERS, *SERVE_PARSERS, *VERL_PARSERS):
         add(sub)
     return parser
 
