@@ -38,6 +38,9 @@ fi
 # tests start: they call tools/verl_ref.sh again, which waits for this install; if PyPI cannot be
 # reached they skip, naming pip's error
 { bash tools/verl_ref.sh >/dev/null 2>&1 || echo "test.sh: could not install the verl 0.9.1 reference; the parity tests skip" >&2; } &
+# verifiers 0.4.0 in a venv of its own (~580 MB, ~1 min once, then cached) for tests/e2e/test_verifiers_env.py,
+# which calls tools/verifiers_ref.sh again and waits for this install; without PyPI it skips, saying why
+{ bash tools/verifiers_ref.sh >/dev/null 2>&1 || echo "test.sh: could not install verifiers 0.4.0; its test skips" >&2; } &
 # bubblewrap: the code tool's strong sandbox backend (without it the tests run the unshare backend only)
 if ! command -v bwrap >/dev/null 2>&1; then
   bw_pkg=(apt-get install -y -q --no-install-recommends bubblewrap)
@@ -64,7 +67,8 @@ scratch="${TMPDIR:-/tmp}/verl-hpc-tests"
 mkdir -p "$scratch"
 slurm=(tests/slurm tests/runtime/test_agent_placements.py tests/runtime/test_agent_resume.py
        tests/e2e/test_smollm2_gsm8k.py tests/e2e/test_smollm2_tools.py tests/e2e/test_judge_e2e.py
-       tests/e2e/test_vllm_e2e.py tests/runtime/test_validation.py tests/cli/test_dapo_quickstart.py)
+       tests/e2e/test_vllm_e2e.py tests/runtime/test_validation.py tests/cli/test_dapo_quickstart.py
+       tests/e2e/test_verifiers_env.py)
 beside=(tests/reliability tests/runtime/test_resume.py tests/e2e/test_dist_e2e.py tests/launch/test_facade.py
         tests/roles/test_lora.py tests/metrics/test_prometheus.py tests/e2e/test_soak.py
         tests/runtime/test_placement_equivalence.py tests/algo/test_preset_learning.py

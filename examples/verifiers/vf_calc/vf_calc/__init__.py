@@ -1,0 +1,3 @@
+from vf_calc.taskset import VfCalcTaskset
+
+__all__ = ["VfCalcTaskset"]

@@ -1,0 +1,142 @@
+"""A verifiers tool environment runs its episodes against `verl-hpc serve`, and its traces' token ids are ours.
+
+verifiers 0.4.0 inverts control: its harness drives the episode and calls the model through
+`POST /inference/v1/generate` with token ids its renderer built. Here its own CLI (`vf-eval`, in a
+venv of its own: tools/verifiers_ref.sh) runs examples/verifiers/vf_calc (a calculator tool served by
+verifiers' MCP tool server, three worked calls in the prompt) with its null harness against SmolLM2-135M-
+Instruct behind `verl-hpc serve`, the renderer being examples/verifiers/delta_renderer.py with the run's
+hermes template. Checked on every model call of every trace: the trace's tokens up to that call are the
+prompt and completion the engine recorded (`--calls`), its sampled tokens and logprobs are the engine's,
+and its prompt is what verl-hpc's own agent loop renders for the same messages (the first prompt with
+the tools, then sampled ids verbatim plus the template's delta for the tool reply).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import REPO, smollm2_dir
+
+pytestmark = pytest.mark.slow
+TEMPLATE = REPO / "configs" / "hermes_chatml.jinja"
+
+
+@pytest.fixture(scope="module")
+def verifiers_venv() -> Path:
+    """verifiers' venv with the example environment installed (skipped, saying why, without PyPI)."""
+    proc = subprocess.run(["bash", "tools/verifiers_ref.sh"], cwd=REPO, capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0:
+        pytest.skip(f"verifiers 0.4.0 could not be installed here: {proc.stderr.strip()[-400:]}")
+    venv = Path(proc.stdout.strip().splitlines()[-1])
+    subprocess.run([str(venv / "bin" / "uv"), "pip", "install", "-q", "--python", str(venv / "bin" / "python"),
+                    "-e", str(REPO / "examples" / "verifiers" / "vf_calc")], check=True, timeout=300)
+    return venv
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory):
+    """`verl-hpc serve` on SmolLM2-135M-Instruct, any free port, every call recorded."""
+    model = smollm2_dir()
+    calls = tmp_path_factory.mktemp("serve") / "calls.jsonl"
+    proc = subprocess.Popen([sys.executable, "-m", "verl_hpc", "serve", str(model), "--port", "0", "--max-tokens",
+                             "64", "--calls", str(calls)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    line = proc.stdout.readline()  # type: ignore[union-attr]
+    assert line.startswith("verl-hpc serve: http://127.0.0.1:"), (line, proc.stderr.read() if proc.poll() else "")
+    url = line.split()[2].removesuffix("/inference/v1/generate")
+    yield model, url, calls
+    proc.terminate()
+    assert proc.wait(timeout=30) == 0  # SIGTERM ends it cleanly
+
+
+def run_vf_eval(venv: Path, model: Path, url: str, out: Path) -> list[dict[str, Any]]:
+    env = {**os.environ, "PATH": f"{venv / 'bin'}:{os.environ['PATH']}", "VIRTUAL_ENV": str(venv)}
+    proc = subprocess.run(
+        [str(venv / "bin" / "vf-eval"), "vf-calc", "-n", "2", "-r", "2", "--no-push", "-m", str(model),
+         "--client.type", "train", "--client.base-url", f"{url}/v1", "--client.api-key-var", "VERL_HPC_UNSET_KEY",
+         "--client.renderer.name", "custom", "--client.renderer.import-path",
+         f"{REPO / 'examples' / 'verifiers' / 'delta_renderer.py'}:DeltaRenderer",
+         "--client.renderer.chat-template-file", str(TEMPLATE), "--env.agent.harness.id", "null",
+         "--env.agent.runtime.type", "subprocess", "--sampling.temperature", "0.5", "-o", str(out)],
+        cwd=out.parent, env=env, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (traces,) = out.glob("*/traces.jsonl")
+    return [trace for line in traces.read_text().splitlines() for trace in json.loads(line)["traces"]]
+
+
+def path_to(nodes: list[dict[str, Any]], index: int) -> list[int]:
+    """The node indices from the root of the trace graph to `index`."""
+    path = []
+    while index is not None:
+        path.append(index)
+        index = nodes[index].get("parent")
+    return path[::-1]
+
+
+def wire(message: dict[str, Any]) -> dict[str, Any]:
+    """A trace message as the chat template takes it (OpenAI's tool_calls shape)."""
+    out = {"role": message["role"], "content": message.get("content")}
+    if message.get("tool_calls"):
+        out["tool_calls"] = [{"id": c["id"], "type": "function",
+                              "function": {"name": c["name"], "arguments": c["arguments"]}}
+                             for c in message["tool_calls"]]
+    return out
+
+
+def our_prompts(trace: dict[str, Any], tokenizer: Any) -> list[list[int]]:
+    """Each call's prompt as verl-hpc's agent loop builds it from the same messages and sampled ids."""
+    from verl_hpc.roles.agent.render import ChatRenderer
+
+    tools = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters")}}
+             for t in trace["tools"]]
+    renderer = ChatRenderer(tokenizer, tools, TEMPLATE.read_text(), str(TEMPLATE))
+    nodes, prompts, seen = trace["nodes"], [], 0
+    for call in trace["calls"]:
+        path = path_to(nodes, call["node"])
+        messages = [wire(nodes[i]["message"]) for i in path[:-1]]
+        if not prompts:
+            prompts.append(renderer.prompt_ids(messages))
+        else:
+            last = nodes[path[seen]]
+            sampled = [t for t, m in zip(last["token_ids"], last["mask"], strict=True) if m]
+            close = tokenizer.eos_token if sampled and sampled[-1] == tokenizer.eos_token_id else ""
+            prompts.append([*prompts[-1], *sampled, *renderer.delta_ids(messages[seen + 1:], close)])
+        seen = len(path) - 1
+    return prompts
+
+
+def test_a_verifiers_tool_environment_runs_against_our_engine_with_our_token_ids(
+        verifiers_venv: Path, served, tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    model, url, calls_file = served
+    traces = run_vf_eval(verifiers_venv, model, url, tmp_path / "vf-out")
+    engine_calls = [json.loads(line) for line in calls_file.read_text().splitlines()]
+    tokenizer = AutoTokenizer.from_pretrained(str(model))
+    assert len(traces) == 4 and all(t["ok"] and not t["errors"] for t in traces), [t["errors"] for t in traces]
+    tool_episodes = 0
+    for trace in traces:
+        nodes = trace["nodes"]
+        prompts = our_prompts(trace, tokenizer)
+        for call, ours in zip(trace["calls"], prompts, strict=True):
+            sampled = nodes[call["node"]]
+            completion = [t for t, m in zip(sampled["token_ids"], sampled["mask"], strict=True) if m]
+            ids = [t for i in path_to(nodes, call["node"]) for t in nodes[i]["token_ids"]]
+            # the engine's own record of this call: the trace holds exactly its prompt and completion
+            record = next(c for c in engine_calls if c["prompt_ids"] + c["completion_ids"] == ids)
+            assert record["completion_ids"] == completion
+            assert sampled["logprobs"] == pytest.approx(record["logprobs"], abs=5e-5)  # traces keep 4 decimals
+            # and that prompt is the one verl-hpc's agent loop renders for these messages
+            assert record["prompt_ids"] == ours, trace["id"]
+        roles = [nodes[i]["message"]["role"] for i in path_to(nodes, trace["calls"][-1]["node"])]
+        tool_episodes += len(trace["calls"]) > 1 and roles[-2] == "tool"
+        assert set(trace["rewards"]) == {"correct"}
+    assert tool_episodes >= 1  # the model called the tool and answered after its reply
+    assert len(engine_calls) == sum(len(t["calls"]) for t in traces)
