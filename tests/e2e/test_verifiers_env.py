@@ -58,6 +58,8 @@ def served(tmp_path_factory: pytest.TempPathFactory):
 
 def run_vf_eval(venv: Path, model: Path, url: str, out: Path) -> list[dict[str, Any]]:
     env = {**os.environ, "PATH": f"{venv / 'bin'}:{os.environ['PATH']}", "VIRTUAL_ENV": str(venv)}
+    if os.environ.get("PIP_INDEX_URL"):  # the harness's uv scripts fetch from the index pip uses
+        env.setdefault("UV_DEFAULT_INDEX", os.environ["PIP_INDEX_URL"])
     proc = subprocess.run(
         [str(venv / "bin" / "vf-eval"), "vf-calc", "-n", "2", "-r", "2", "--no-push", "-m", str(model),
          "--client.type", "train", "--client.base-url", f"{url}/v1", "--client.api-key-var", "VERL_HPC_UNSET_KEY",

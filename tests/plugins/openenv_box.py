@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 import sys
+import time
 from typing import Any
 
 from openenv.core.env_server.interfaces import Environment
@@ -20,14 +21,20 @@ class BoxObservation(Observation):
     prompt: str
 
 
+SLOW_SEED = 99  # a reset with this seed takes SLOW_RESET_S: a client's timeout, whatever the load
+
+
 class BoxEnvironment(Environment[BoxAction, BoxObservation, State]):
     SUPPORTS_CONCURRENT_SESSIONS = True
+    SLOW_RESET_S = 2.0
 
     def __init__(self, max_digit: int = 4):
         super().__init__()
         self.max_digit, self.digit, self._state = max_digit, 0, State(step_count=0)
 
     def reset(self, seed: int | None = None, episode_id: str | None = None, **kwargs: Any) -> BoxObservation:
+        if seed == SLOW_SEED:
+            time.sleep(self.SLOW_RESET_S)
         self.digit = random.Random(seed).randint(0, self.max_digit)
         self._state = State(episode_id=episode_id, step_count=0)
         return BoxObservation(prompt="what is in the box")

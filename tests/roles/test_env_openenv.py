@@ -116,9 +116,9 @@ def test_a_finished_episode_leaves_its_session_to_the_next_and_a_failed_one_does
     assert second.reused and second.ws is first.ws
     assert second.reset(seed=3) == EnvReply("what is in the box")  # a fresh episode on the same session
     second.close()
-    hasty = make_environment("openenv_server", server_url, {"message_timeout_s": 1e-6})
+    hasty = make_environment("openenv_server", server_url, {"message_timeout_s": 0.5})
     with pytest.raises(TimeoutError):  # no answer in time: the session's state is unknown
-        hasty.reset(seed=3)
+        hasty.reset(seed=99)  # the box's slow seed: its reset takes 2 s (an instant timeout raced a busy CPU)
     hasty.close()
     third = make_environment("openenv_server", server_url)
     assert third.ws is not hasty.ws  # a session whose call failed was ended, not kept

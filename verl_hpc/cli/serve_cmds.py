@@ -94,8 +94,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     except (KeyboardInterrupt, SystemExit):
         pass
     finally:
-        server.httpd.server_close()
-        server.batcher.close()
+        server.close()
     return 0
 
 

@@ -287,9 +287,15 @@ class GenerateServer:
         return self
 
     def serve_forever(self) -> None:
+        """Serve in this thread until interrupted (`verl-hpc serve`); `close()` afterwards."""
         self.httpd.serve_forever()
 
     def close(self) -> None:
-        self.httpd.shutdown()
+        """Stop serving, then the batcher, then the engine (a vLLM engine is a child process of its own)."""
+        if self._thread is not None:
+            self.httpd.shutdown()
         self.httpd.server_close()
         self.batcher.close()
+        close_engine = getattr(self.batcher.engine, "close", None)
+        if callable(close_engine):
+            close_engine()
