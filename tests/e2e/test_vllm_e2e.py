@@ -84,3 +84,41 @@ def test_colocated_fsdp_ranks_each_drive_an_engine_and_export(tmp_path: Path) ->
     assert all(r["perf/weight_sync_bytes"] > 0 for r in rows)
     assert (run_dir / "hf_model" / "config.json").exists()  # exported from the actor, not the engine
     assert not _engine_processes(tmp_path)
+
+
+def test_serve_answers_from_the_configs_vllm_engine_and_stops_it(tmp_path: Path) -> None:
+    """`verl-hpc serve CONFIG` on `strategy: vllm`: the generate endpoint samples from the vLLM child, and
+    SIGTERM ends the server with its engine."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    from tests.conftest import REPO
+
+    proc = subprocess.Popen([sys.executable, "-m", "verl_hpc", "serve", "configs/quickstart_vllm.yaml",
+                             f"model.path={tmp_path / 'model'}", "--port", "0"], cwd=REPO, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        line = ""
+        while not line.startswith("verl-hpc serve: ") and proc.poll() is None:
+            line = proc.stdout.readline()  # type: ignore[union-attr]  # the vLLM child logs here too
+        assert line.startswith("verl-hpc serve: http://127.0.0.1:"), line
+        assert len(_engine_processes(tmp_path)) == 1
+        body = {"token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 4, "temperature": 0.8}}
+        request = urllib.request.Request(line.split()[2], json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=120) as reply:
+            choice = json.loads(reply.read())["choices"][0]
+        assert 1 <= len(choice["token_ids"]) <= 4
+        assert [c["token"] for c in choice["logprobs"]["content"]] == [f"token_id:{t}" for t in choice["token_ids"]]
+    finally:
+        proc.terminate()
+    assert proc.wait(timeout=120) == 0
+    deadline = time.monotonic() + 30
+    while _engine_processes(tmp_path) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not _engine_processes(tmp_path)
