@@ -3,6 +3,7 @@ per seat, whose moves wait on each other without ever holding a round or a threa
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import importlib.util
 import json
 from pathlib import Path
@@ -139,6 +140,42 @@ def test_matches_in_worker_processes_play_the_same_games_as_in_threads(agent_dir
     in_workers = _self_play(agent_dir, True, num_workers=2)
     assert [r["messages"] for r in in_workers] == [r["messages"] for r in in_rounds]
     assert [r["env_reward"] for r in in_workers] == [r["env_reward"] for r in in_rounds]
+
+
+def test_an_ended_seat_is_known_to_its_worker_before_the_next_round() -> None:
+    """`left` waits for the worker's answer (which follows the other seat's news on the wire): a busy
+    worker's late answer otherwise moved the other seat into a later round, and the matches in
+    worker processes then differed from those in threads (seen once in a full suite)."""
+    import threading
+
+    from verl_hpc.roles.env.workers import ProcessEnvRunner
+
+    class SlowLink:
+        alive = True
+
+        def __init__(self) -> None:
+            self.answered: list[str] = []
+
+        def request(self, request_id: int, op: str, episode: str, payload: object) -> cf.Future:
+            future: cf.Future = cf.Future()
+
+            def answer() -> None:
+                self.answered.append(episode)
+                future.set_result(("ok", None))
+
+            threading.Timer(0.3, answer).start()
+            return future
+
+    link = SlowLink()
+    runner = ProcessEnvRunner(lambda index: link, 1, timeout=10.0, players=2)  # type: ignore[arg-type, return-value]
+    try:
+        runner._home[SEAT0] = 0
+        runner.left(SEAT0)
+        assert len(link.answered) == 1  # returned only once the worker had answered
+        runner.left(SEAT0)  # once per episode
+        assert len(link.answered) == 1
+    finally:
+        runner._sweeper.close()
 
 
 def test_a_killed_worker_fails_both_seats_of_its_matches_and_the_others_play_on() -> None:

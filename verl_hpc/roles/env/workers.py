@@ -321,11 +321,17 @@ class ProcessEnvRunner:
 
     def left(self, episode: str) -> None:
         """Self-play: the episode ended before its game; its worker tells the other seat (`MatchRunner.left`).
-        Sent once per episode: the loop reports ended episodes after every round."""
+        Sent once per episode: the loop reports ended episodes after every round.
+
+        Why wait for the answer: the worker sends the other seat's news before it, so once it is in, that
+        seat is ready exactly as it would be in-process, and the loop's next round holds the same episodes
+        (else a busy worker's late news moved the seat to a later round: other matches, other samples)."""
         index = self._home.get(episode)
         if self.players == 2 and index is not None and episode not in self._left and self.workers[index].alive:
             self._left.add(episode)
-            self.workers[index].request(next(self._ids), "left", episode, None)
+            answered = self.workers[index].request(next(self._ids), "left", episode, None)
+            with contextlib.suppress(cf.TimeoutError):  # a worker that does not answer is found by its calls
+                answered.result(timeout=self.timeout)
 
     def finish(self, episode: str) -> None:
         self._left.discard(episode)
