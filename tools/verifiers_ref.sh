@@ -14,14 +14,8 @@ DIR=${VERIFIERS_REF_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/verl-hpc/verifiers-0.4.
 PY=${VERL_HPC_PYTHON:-.venv/bin/python}  # its base interpreter makes the new venv
 PINS=(verifiers==0.4.0 renderers==0.1.12 uv==0.13.10)
 want="${PINS[*]}"
-mkdir -p "$(dirname "$DIR")"
-# one install at a time: tools/test.sh starts it in the background and the test calls it again
-exec 9>"$DIR.lock"
-flock 9
-if [ -f "$DIR/.installed" ] && [ "$(cat "$DIR/.installed")" = "$want" ]; then
-  echo "$DIR"
-  exit 0
-fi
+source tools/ref_lock.sh
+take_ref_lock "$DIR" "$want"  # returns here only to install
 rm -rf "$DIR"
 trap 'rm -rf "$DIR"' EXIT  # a half-built venv is never taken for an installed one
 start=$(date +%s)

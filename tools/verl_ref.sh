@@ -19,15 +19,8 @@ PY=${VERL_HPC_PYTHON:-.venv/bin/python}
 PINS=(verl==0.9.1 ray==2.60.0 tensordict==0.10.0 pyvers==0.1.0 omegaconf==2.3.0
       antlr4-python3-runtime==4.9.3 codetiming==1.4.0 msgpack==1.2.4 orjson==3.13.0)
 want="${PINS[*]} (without verl's tests/)"
-mkdir -p "$(dirname "$DIR")"
-# one install at a time: tools/test.sh starts it in the background and the parity tests call it
-# again on first use; a second caller waits here for the first, then finds it installed
-exec 9>"$DIR.lock"
-flock 9
-if [ -f "$DIR/.installed" ] && [ "$(cat "$DIR/.installed")" = "$want" ]; then
-  echo "$DIR"
-  exit 0
-fi
+source tools/ref_lock.sh
+take_ref_lock "$DIR" "$want"  # returns here only to install
 tmp="$DIR.partial.$$"
 rm -rf "$tmp"
 trap 'rm -rf "$tmp"' EXIT

@@ -71,8 +71,9 @@ class DeltaRenderer(DefaultRenderer):
                **_: Any) -> RenderedTokens:
         """The whole conversation as one rendering, encoded once (as the agent loop's first prompt)."""
         text = self._text(messages, tools, add_generation_prompt)
-        ends = [len(self._text(messages[:k + 1], tools, False)) for k in range(len(messages))]
-        if any(not text.startswith(self._text(messages[:k + 1], tools, False)) for k in range(len(messages))):
+        prefixes = [self._text(messages[:k + 1], tools, False) for k in range(len(messages))]
+        ends = [len(p) for p in prefixes]
+        if not all(text.startswith(p) for p in prefixes):
             ends = [len(text)] * len(messages)  # not prefix-stable: the tokens are right, attribution coarse
         ids, owners = self._attributed(text, ends)
         return RenderedTokens(token_ids=ids, message_indices=owners,
