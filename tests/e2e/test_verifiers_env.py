@@ -142,3 +142,53 @@ def test_a_verifiers_tool_environment_runs_against_our_engine_with_our_token_ids
         assert set(trace["rewards"]) == {"correct"}
     assert tool_episodes >= 1  # the model called the tool and answered after its reply
     assert len(engine_calls) == sum(len(t["calls"]) for t in traces)
+
+
+def test_a_verifiers_environment_trains_on_its_traces(verifiers_venv: Path, tmp_path: Path) -> None:
+    """`source: verifiers` (configs/verifiers_calc.yaml): the rollout serves its own engine, verifiers'
+    harness runs each row's episode against it, and the rows trained are the traces' token ids, loss
+    masks and logprobs, scored by the traces' rewards; every call's prompt is the one our agent loop renders."""
+    from transformers import AutoTokenizer
+
+    from verl_hpc.data.rollout_batch import RolloutBatch
+
+    model, run = smollm2_dir(), tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "verl_hpc", "train", "configs/verifiers_calc.yaml", "--run-dir", str(run),
+         f"model.path={model}", "data.record_rollouts=true", "trainer.total_steps=2", "trainer.batch_size=2",
+         f"rollout.multi_turn.environment.kwargs.python={verifiers_venv / 'bin' / 'python'}",
+         "rollout.multi_turn.environment.kwargs.keep_traces=true"],
+        cwd=REPO, capture_output=True, text=True, timeout=900,
+        env={**os.environ, "PATH": f"{verifiers_venv / 'bin'}:{os.environ['PATH']}"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    kept = {}
+    for line in (run / "verifiers" / "traces.jsonl").read_text().splitlines():
+        entry = json.loads(line)
+        kept[entry["row"]] = entry["episode"]["traces"][0]
+    tokenizer = AutoTokenizer.from_pretrained(str(model))
+    rows = 0
+    for step in (1, 2):
+        (record,) = (run / "rollouts").glob(f"step_{step:08d}_rank*.arrow")
+        batch = RolloutBatch.from_ipc(record.read_bytes())
+        for row in batch.record_batch.to_pylist():
+            trace = kept[f"episode-{step}-{row['group_id']}-{row['sample_index']}"]
+            nodes = trace["nodes"]
+            path = path_to(nodes, trace["calls"][-1]["node"])
+            ids = [t for i in path for t in nodes[i]["token_ids"]]
+            mask = [m for i in path for m in nodes[i]["mask"]]
+            assert row["prompt_ids"] + row["response_ids"] == ids  # the trace's tokens, nothing re-tokenised
+            assert [0] * len(row["prompt_ids"]) + row["loss_mask"] == [int(m) for m in mask]
+            sampled = [lp for lp, m in zip(row["rollout_logprobs"], row["loss_mask"], strict=True) if m]
+            assert sampled == pytest.approx([x for i in path for x in nodes[i]["logprobs"]], abs=1e-6)
+            reward = sum(r["score"] * r["weight"] for r in trace["rewards"].values())
+            assert row["score"] == pytest.approx(reward, abs=1e-6)
+            for call, ours in zip(trace["calls"], our_prompts(trace, tokenizer), strict=True):
+                upto = [t for i in path_to(nodes, call["node"]) for t in nodes[i]["token_ids"]]
+                done = nodes[call["node"]]
+                completion = [t for t, m in zip(done["token_ids"], done["mask"], strict=True) if m]
+                assert upto == ours + completion  # the prompt our agent loop builds, then what was sampled
+            rows += 1
+    assert rows == 4  # 2 steps x 1 task x 2 samples
+    metrics = [json.loads(line) for line in (run / "tensorboard" / "metrics.jsonl").read_text().splitlines()]
+    trained = [m for m in metrics if "actor/pg_loss" in m]
+    assert len(trained) == 2 and all(m["env/failures"] == 0 and m["agent/num_turns/mean"] >= 1 for m in trained)

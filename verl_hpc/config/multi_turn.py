@@ -38,12 +38,15 @@ class EnvironmentConfig(StrictModel):
     Its rewards' sum reaches the reward function as `extra_info["env_reward"]`;
     `reward.function: verl_hpc.data.trajectory:environment_score` scores an episode by it alone."""
 
-    source: Literal["textarena", "python", "openenv_server"] = Field(
+    source: Literal["textarena", "python", "openenv_server", "verifiers"] = Field(
         description="textarena: a TextArena game by id; python: a class (`module:Class` or `file.py:Class`) with "
         "reset/step, OpenEnv `Environment` subclasses included; openenv_server: an OpenEnv server by URL (a "
-        "WebSocket session per episode)")
-    id: str = Field(description="the game id (GuessTheNumber-v0), the class, or the server's URL")
-    kwargs: dict[str, Any] = Field(default_factory=dict, description="given to the game's or class's constructor")
+        "WebSocket session per episode); verifiers: a verifiers 0.4.0 environment by id, its harness driving "
+        "each episode against the rollout engine")
+    id: str = Field(description="the game id (GuessTheNumber-v0), the class, the server's URL, or the "
+                    "verifiers environment id (vf-calc)")
+    kwargs: dict[str, Any] = Field(default_factory=dict, description="given to the game's or class's constructor; "
+                                   "verifiers: {python: its interpreter, args: vf-eval's flags, startup_seconds}")
     timeout_seconds: float = Field(30.0, gt=0, description="a reset or step running longer fails its episode "
                                    "(counted in env/failures); the run goes on")
     workers: int = Field(64, ge=1, description="environment calls running at once: over all episodes of a step "

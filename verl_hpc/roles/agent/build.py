@@ -16,13 +16,18 @@ def max_context(model_dir: str) -> int | None:
 
 
 def build_agent(cfg: Any, engine: Any, tokenizer: Any, model_dir: str, run_dir: str | None = None,
-                allocator: Any = None, env_home: Any = None) -> AgentRollout:
-    """The AgentRollout over `engine` (`allocator`: generation's OOM retries, as for single turns;
+                allocator: Any = None, env_home: Any = None) -> Any:
+    """The AgentRollout over `engine`, or a VerifiersRollout for `source: verifiers` (`allocator`: generation's OOM retries, as for single turns;
     `env_home`: where the Slurm env component's workers are, else None).
 
     The code sandbox takes `rollout.multi_turn.sandbox`'s limits and must never see `run_dir`.
     """
     multi_turn = cfg.rollout.multi_turn
+    if multi_turn.environment is not None and multi_turn.environment.source == "verifiers":
+        from verl_hpc.roles.agent.verifiers import VerifiersRollout  # its harness drives the episodes
+
+        return VerifiersRollout(multi_turn, engine, model_dir, stop_token_ids(tokenizer, model_dir),
+                                max_context(model_dir), run_dir)
     if any("sandbox" in spec for spec in multi_turn.tools) or multi_turn.tool_config_path is not None:
         from verl_hpc.roles.agent.sandbox import SandboxLimits, configure
 

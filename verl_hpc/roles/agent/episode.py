@@ -14,6 +14,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from verl_hpc.data.rollout_batch import RolloutBatch
 from verl_hpc.data.trajectory import episode_counts, episode_metrics
 
 
@@ -94,6 +95,17 @@ def trajectory_columns(episodes: list[Episode]) -> dict[str, list[Any]]:
     return {"loss_mask": [e.loss_mask for e in episodes], "turn_bounds": [e.turn_bounds for e in episodes],
             "turn_versions": [e.turn_versions for e in episodes],
             "trajectory": [e.record_json() for e in episodes]}
+
+
+def episodes_batch(episodes: list[Episode], step: int, groups: list[int], samples: list[int],
+                   prompt_index: list[int], dataset: Any, version: int) -> RolloutBatch:
+    """A step's rows (row = group * n + sample) as one unscored trajectory batch, in order."""
+    return RolloutBatch.from_generation(
+        [e.prompt_ids for e in episodes], [e.response_ids for e in episodes], [e.logprobs for e in episodes],
+        group_ids=groups, prompt_index=prompt_index, ground_truth=[dataset.answers[i] for i in prompt_index],
+        policy_version=version, step=step, sample_index=samples,
+        data_source=[dataset.data_sources[i] for i in prompt_index],
+        extra_info=[dataset.extra_infos[i] for i in prompt_index], trajectory=trajectory_columns(episodes))
 
 
 def agent_metrics(episodes: list[Episode]) -> dict[str, float]:

@@ -15,7 +15,7 @@ import logging
 from typing import Any
 
 from verl_hpc.data.rollout_batch import RolloutBatch
-from verl_hpc.roles.agent.episode import Episode, agent_metrics, trajectory_columns
+from verl_hpc.roles.agent.episode import Episode, agent_metrics, episodes_batch
 from verl_hpc.roles.agent.loop import AgentLoop
 from verl_hpc.roles.agent.parsers import get_parser
 from verl_hpc.roles.agent.render import ChatRenderer
@@ -133,12 +133,7 @@ class AgentRollout:
             self.rerun_failed(episodes, step, groups, samples, prompts, infos, list(prompt_index), sampling, version)
         if keep:
             self.last_episodes = episodes
-        return RolloutBatch.from_generation(
-            [e.prompt_ids for e in episodes], [e.response_ids for e in episodes], [e.logprobs for e in episodes],
-            group_ids=groups, prompt_index=prompt_index, ground_truth=[dataset.answers[i] for i in prompt_index],
-            policy_version=version, step=step, sample_index=samples,
-            data_source=[dataset.data_sources[i] for i in prompt_index],
-            extra_info=[dataset.extra_infos[i] for i in prompt_index], trajectory=trajectory_columns(episodes))
+        return episodes_batch(episodes, step, groups, samples, list(prompt_index), dataset, version)
 
     def rerun_failed(self, episodes: list[Episode], step: int, groups: list[int], samples: list[int],
                      prompts: list[Any], infos: list[Any], indices: list[int], sampling: Any, version: int) -> None:

@@ -79,6 +79,11 @@ def check_environment(multi_turn: Any) -> None:
     env = multi_turn.environment
     if env is None or env.source == "openenv_server":
         return
+    if env.source == "verifiers":  # its options and interpreter; the environment itself loads at start-up
+        from verl_hpc.roles.agent.verifiers import VerifiersOptions
+
+        VerifiersOptions.of(env.kwargs).interpreter()
+        return
     if env.source == "python":  # a class that does not import is refused by make_environment itself
         make_environment(env.source, env.id, env.kwargs, env.action_wrappers).close()
         return

@@ -270,7 +270,8 @@ class GenerateServer:
     """`ThreadingHTTPServer` on (host, port) over one `GenerateBatcher`; port 0 picks a free port."""
 
     def __init__(self, engine: RolloutEngine, model: ServedModel, stop_ids: list[int], *, host: str = "127.0.0.1",
-                 port: int = 0, token: str | None = None, calls_path: Path | None = None):
+                 port: int = 0, token: str | None = None, calls_path: Path | None = None, owns_engine: bool = True):
+        self.owns_engine = owns_engine  # False: the engine is a run's, which closes it itself
         self.batcher = GenerateBatcher(engine, stop_ids, calls_path)
         self.httpd = ThreadingHTTPServer((host, port), _handler(model, self.batcher, token))
         self.httpd.daemon_threads = True
@@ -291,11 +292,13 @@ class GenerateServer:
         self.httpd.serve_forever()
 
     def close(self) -> None:
-        """Stop serving, then the batcher, then the engine (a vLLM engine is a child process of its own)."""
+        """Stop serving, then the batcher, then the engine if it owns it (a vLLM engine is a child process)."""
         if self._thread is not None:
             self.httpd.shutdown()
         self.httpd.server_close()
         self.batcher.close()
+        if not self.owns_engine:
+            return
         close_engine = getattr(self.batcher.engine, "close", None)
         if callable(close_engine):
             close_engine()
