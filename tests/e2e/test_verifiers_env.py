@@ -13,6 +13,7 @@ the tools, then sampled ids verbatim plus the template's delta for the tool repl
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -144,10 +145,17 @@ def test_a_verifiers_tool_environment_runs_against_our_engine_with_our_token_ids
     assert len(engine_calls) == sum(len(t["calls"]) for t in traces)
 
 
-def test_a_verifiers_environment_trains_on_its_traces(verifiers_venv: Path, tmp_path: Path) -> None:
-    """`source: verifiers` (configs/verifiers_calc.yaml): the rollout serves its own engine, verifiers'
-    harness runs each row's episode against it, and the rows trained are the traces' token ids, loss
-    masks and logprobs, scored by the traces' rewards; every call's prompt is the one our agent loop renders."""
+VLLM = ["resources.rollout.strategy=vllm",
+        "resources.rollout.vllm_args={dtype: float32, enforce_eager: true, kv_cache_space_gb: 1}"]
+
+
+@pytest.mark.parametrize("engine", ["hf", pytest.param("vllm", marks=pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None, reason="vllm is not installed"))])
+def test_a_verifiers_environment_trains_on_its_traces(engine: str, verifiers_venv: Path, tmp_path: Path) -> None:
+    """`source: verifiers` (configs/verifiers_calc.yaml): the rollout serves its own engine (HF or vLLM),
+    verifiers' harness runs each row's episode against it, and the rows trained are the traces' token ids,
+    loss masks and logprobs, scored by the traces' rewards; every call's prompt is the one our agent loop
+    renders."""
     from transformers import AutoTokenizer
 
     from verl_hpc.data.rollout_batch import RolloutBatch
@@ -157,9 +165,9 @@ def test_a_verifiers_environment_trains_on_its_traces(verifiers_venv: Path, tmp_
         [sys.executable, "-m", "verl_hpc", "train", "configs/verifiers_calc.yaml", "--run-dir", str(run),
          f"model.path={model}", "data.record_rollouts=true", "trainer.total_steps=2", "trainer.batch_size=2",
          f"rollout.multi_turn.environment.kwargs.python={verifiers_venv / 'bin' / 'python'}",
-         "rollout.multi_turn.environment.kwargs.keep_traces=true"],
+         "rollout.multi_turn.environment.kwargs.keep_traces=true", *(VLLM if engine == "vllm" else [])],
         cwd=REPO, capture_output=True, text=True, timeout=900,
-        env={**os.environ, "PATH": f"{verifiers_venv / 'bin'}:{os.environ['PATH']}"})
+        env=dict(os.environ))  # no verifiers on PATH: the rollout finds its venv from kwargs.python
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     kept = {}
     for line in (run / "verifiers" / "traces.jsonl").read_text().splitlines():

@@ -104,8 +104,10 @@ class VerifiersDriver:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("a") as err:
             # A session of its own: stopping it stops the harnesses and tool servers it started too
+            # Its venv's bin first: verifiers' harnesses and tool servers run under the uv installed there
+            path = os.pathsep.join([str(Path(self.argv[0]).parent), os.environ.get("PATH", "")])
             self.proc = subprocess.Popen(self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
-                                         text=True, env={**os.environ, TOKEN_VAR: self.token},
+                                         text=True, env={**os.environ, TOKEN_VAR: self.token, "PATH": path},
                                          start_new_session=True)
         self.starts += 1
         ready: Future = Future()
