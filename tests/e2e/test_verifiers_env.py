@@ -19,6 +19,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -200,3 +201,62 @@ def test_a_verifiers_environment_trains_on_its_traces(engine: str, verifiers_ven
     metrics = [json.loads(line) for line in (run / "tensorboard" / "metrics.jsonl").read_text().splitlines()]
     trained = [m for m in metrics if "actor/pg_loss" in m]
     assert len(trained) == 2 and all(m["env/failures"] == 0 and m["agent/num_turns/mean"] >= 1 for m in trained)
+
+
+def test_verifiers_drivers_on_the_env_component_survive_a_killed_worker(verifiers_venv: Path, tmp_path: Path) -> None:
+    """`resources.env` with a verifiers environment: each env task (started here as `srun` starts it) opens
+    a driver on its node against the rollout's endpoint, a step's episodes spread over them, and kill -9 of
+    one worker mid-step costs only the episodes it held: they fail, are counted and re-run on the worker its
+    supervisor started again."""
+    import signal
+    import threading
+
+    import yaml
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from verl_hpc.config import SamplingConfig, load_config
+    from verl_hpc.roles.agent.verifiers import VerifiersRollout
+    from verl_hpc.roles.env.remote import EnvHome, address_path, attempt_dir
+    from verl_hpc.roles.rollout.base import stop_token_ids
+    from verl_hpc.roles.rollout.hf import HFRolloutEngine
+    from verl_hpc.transport.secret import create_run_secret
+
+    model, run_dir = smollm2_dir(), tmp_path / "run"
+    config = yaml.safe_load((REPO / "configs" / "verifiers_calc.yaml").read_text())
+    config["model"]["path"] = str(model)
+    config["rollout"]["multi_turn"]["environment"]["kwargs"]["python"] = str(verifiers_venv / "bin" / "python")
+    config["resources"]["env"] = {"num_workers": 2}
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(config))
+    token = create_run_secret(run_dir)
+    tasks = [subprocess.Popen([sys.executable, "-m", "verl_hpc.roles.env.remote", str(run_dir)], cwd=REPO,
+                              env={**os.environ, "SLURM_PROCID": str(i), "SLURM_JOB_ID": "77",
+                                   "SLURM_RESTART_COUNT": "0", "PYTHONPATH": str(REPO)}) for i in range(2)]
+    home = EnvHome(attempt_dir(run_dir, "77", 0), 2, token, 120.0)
+    cfg = load_config(run_dir / "config.yaml")
+    tok = AutoTokenizer.from_pretrained(str(model), padding_side="left")
+    engine = HFRolloutEngine(AutoModelForCausalLM.from_pretrained(str(model)), tok)
+    rollout = VerifiersRollout(cfg.rollout.multi_turn, engine, str(model), stop_token_ids(tok, str(model)), 2048,
+                               str(run_dir), home)
+    victim = json.loads(address_path(home.directory, 0).read_text())["pid"]
+    killer = threading.Timer(4.0, os.kill, (victim, signal.SIGKILL))  # mid-step: its episodes are running
+    try:
+        dataset = SimpleNamespace(answers=[""] * 2, data_sources=["vf"] * 2,
+                                  extra_infos=[json.dumps({"env_seed": i}) for i in range(2)])
+        killer.start()
+        batch = rollout.rows(1, [0, 0, 1, 1], [0, 1, 0, 1], [0, 0, 1, 1], dataset,
+                             SamplingConfig(n=2, temperature=0.5, max_new_tokens=128), version=0)
+    finally:
+        killer.cancel()
+        rollout.close()
+        for task in tasks:
+            task.send_signal(signal.SIGINT)
+        for task in tasks:
+            assert task.wait(timeout=30) == 0
+    records = [json.loads(t) for t in batch.column("trajectory").to_pylist()]
+    assert all(not r["env_failed"] for r in records)  # every episode answered in the end
+    assert rollout.metrics()["env/failures"] == 2  # worker 0 held two of the four (every other one)
+    assert rollout.driver.starts == 3  # two opened, the killed one reopened on its restarted worker
+    assert all(r["num_turns"] >= 1 for r in records)
+    for i in (0, 1):  # both nodes ran verifiers: each has its driver's log
+        assert "rollout done" in (run_dir / "logs" / f"verifiers_driver_env{i}.log").read_text()

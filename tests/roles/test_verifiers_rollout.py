@@ -18,17 +18,10 @@ from typing import Any
 import pytest
 
 from verl_hpc.config.errors import FieldError
-from verl_hpc.roles.agent.verifiers import (
-    DRIVER,
-    VerifiersDriver,
-    VerifiersOptions,
-    VerifiersRollout,
-    driver_argv,
-    episode_trace,
-    task_of,
-)
+from verl_hpc.roles.agent.verifiers import VerifiersRollout, episode_trace, task_of
 from verl_hpc.roles.agent.verifiers_trace import failed_episode, trace_episode, turn_bounds
 from verl_hpc.roles.env.base import EnvFailure
+from verl_hpc.roles.env.verifiers_process import DRIVER, VerifiersDriver, VerifiersOptions, driver_argv
 
 
 def node(ids: list[int], mask: list[int], role: str, parent: int | None, logprobs: list[float] | None = None,
@@ -205,7 +198,7 @@ def test_a_driver_that_cannot_load_is_refused_naming_the_field(tmp_path: Path) -
 
 @pytest.mark.parametrize(("override", "match"), [
     ("rollout.multi_turn.tools=[examples/gsm8k/calculator.py:calculator]", r"multi_turn\.tools: .*its own tools"),
-    ("rollout.multi_turn.environment.num_workers=2", r"environment\.num_workers: .*one driver process"),
+    ("rollout.multi_turn.environment.num_workers=2", r"environment\.num_workers: .*a process of its own"),
     ("rollout.multi_turn.partial_rollouts=true", r"partial_rollouts: .*one step's weights"),
 ])
 def test_the_config_refuses_what_a_verifiers_environment_brings_itself(override: str, match: str,

@@ -21,8 +21,9 @@ def check_environment(cfg: RunConfig) -> None:
 
 
 def check_verifiers(cfg: RunConfig) -> None:
-    """A verifiers environment brings its own tools and loop: one driver beside each rollout engine
-    runs its episodes, so tools, worker processes and partial rollouts are refused in one line each."""
+    """A verifiers environment brings its own tools and loop: one driver (beside each rollout engine, or
+    one per env-component worker) runs its episodes, so tools, worker processes on the rollout's node
+    and partial rollouts are refused in one line each."""
     mt = cfg.rollout.multi_turn
     env = mt.environment
     if env is None or env.source != "verifiers" or not mt.enable:
@@ -30,10 +31,10 @@ def check_verifiers(cfg: RunConfig) -> None:
     if mt.tools or mt.tool_config_path is not None:
         raise FieldError("rollout.multi_turn.tools", "a verifiers environment serves its own tools",
                          "remove tools and tool_config_path; the environment's taskset declares its toolsets")
-    if env.num_workers or cfg.resources.env is not None:
-        field = f"{ENV}.num_workers" if env.num_workers else "resources.env"
-        raise FieldError(field, "verifiers episodes run in one driver process beside each rollout engine, not "
-                         "in environment workers", "remove it; run more rollout ranks for more episodes at once")
+    if env.num_workers and cfg.resources.env is None:
+        raise FieldError(f"{ENV}.num_workers", "verifiers' driver is a process of its own already; worker "
+                         "processes beside it add nothing", "remove it, or place drivers on env nodes with "
+                         "resources.env (one per worker)")
     if mt.partial_rollouts:
         raise FieldError("rollout.multi_turn.partial_rollouts", "a verifiers episode runs within one step's "
                          "weights (its harness holds the turns)", "set partial_rollouts: false")

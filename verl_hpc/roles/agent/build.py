@@ -27,7 +27,7 @@ def build_agent(cfg: Any, engine: Any, tokenizer: Any, model_dir: str, run_dir: 
         from verl_hpc.roles.agent.verifiers import VerifiersRollout  # its harness drives the episodes
 
         return VerifiersRollout(multi_turn, engine, model_dir, stop_token_ids(tokenizer, model_dir),
-                                max_context(model_dir), run_dir)
+                                max_context(model_dir), run_dir, env_home)
     if any("sandbox" in spec for spec in multi_turn.tools) or multi_turn.tool_config_path is not None:
         from verl_hpc.roles.agent.sandbox import SandboxLimits, configure
 

@@ -80,7 +80,7 @@ def check_environment(multi_turn: Any) -> None:
     if env is None or env.source == "openenv_server":
         return
     if env.source == "verifiers":  # its options and interpreter; the environment itself loads at start-up
-        from verl_hpc.roles.agent.verifiers import VerifiersOptions
+        from verl_hpc.roles.env.verifiers_process import VerifiersOptions
 
         VerifiersOptions.of(env.kwargs).interpreter()
         return

@@ -136,9 +136,14 @@ def remote_starter(home: EnvHome, reconnect_s: float) -> Callable[[int], RemoteW
     return start
 
 
+def node_host() -> str:
+    """The name other nodes reach this one by: `VERL_HPC_ENV_HOST`, else the hostname."""
+    return os.environ.get(HOST_ENV) or socket.gethostname()
+
+
 def _write_address(directory: Path, index: int, port: int) -> None:
     directory.mkdir(parents=True, exist_ok=True)
-    host = os.environ.get(HOST_ENV) or socket.gethostname()
+    host = node_host()
     path = address_path(directory, index)
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
     tmp.write_text(json.dumps({"host": host, "port": port, "pid": os.getpid(), "at": time.time()}))
@@ -159,6 +164,12 @@ def serve(directory: Path, index: int, spec: dict[str, Any], token: str) -> None
             conn = listener.accept()
         except (OSError, EOFError) as err:  # a wrong key (AuthenticationError) or a dropped handshake
             print(f"verl-hpc env worker {index}: refused a connection: {type(err).__name__}: {err}", flush=True)
+            continue
+        if spec["source"] == "verifiers":  # the rollout opens a verifiers driver on this node
+            from verl_hpc.roles.env.verifiers_process import serve_driver_connection
+
+            log_path = directory.parent.parent / "logs" / f"verifiers_driver_env{index}.log"
+            threading.Thread(target=serve_driver_connection, args=(conn, spec, log_path), daemon=True).start()
             continue
         threading.Thread(target=serve_connection, args=(conn, spec, pool), daemon=True).start()
 
