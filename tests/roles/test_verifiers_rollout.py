@@ -98,13 +98,15 @@ FAKE = textwrap.dedent('''
     mode = sys.argv[1]
     sys.path.insert(0, sys.argv[2])
     from test_verifiers_rollout import a_trace
+    if mode == "broken" and os.path.exists(sys.argv[3]):
+        sys.exit("the environment no longer loads")   # its restart fails
     print(json.dumps({"ready": True, "tasks": 4}), flush=True)
     for n, line in enumerate(sys.stdin):
         request = json.loads(line)
         if "cancel" in request:
             continue
         task = request["task"]
-        if mode == "crash" and n == 1 and not os.path.exists(sys.argv[3]):
+        if mode in ("crash", "broken") and n == 1 and not os.path.exists(sys.argv[3]):
             open(sys.argv[3], "w").close()         # once: the restarted driver answers
             os.kill(os.getpid(), signal.SIGKILL)   # kill -9 mid-step: the episodes it held are lost
         if mode == "hang" and task == 1:
@@ -213,3 +215,18 @@ def test_the_config_refuses_what_a_verifiers_environment_brings_itself(override:
         if "partial" in override else []
     with pytest.raises(ConfigError, match=match):
         load_config(REPO / "configs" / "verifiers_calc.yaml", [model, override, *extra])
+
+
+def test_a_driver_that_cannot_start_again_fails_episodes_not_the_run(tmp_path: Path) -> None:
+    driver = fake_driver(tmp_path, "broken")
+    driver.start()
+    rollout = rollout_over(driver)
+    started = time.monotonic()
+    try:
+        batch = rollout.rows(1, [0, 1, 2], [0, 0, 0], [0, 1, 2], dataset(3), SAMPLING, 0)
+    finally:
+        driver.stop()
+    records = [json.loads(t) for t in batch.column("trajectory").to_pylist()]
+    assert [r["env_failed"] for r in records] == [False, True, True]  # the first answered before the crash
+    assert driver.starts == 2 and time.monotonic() - started < 30  # one failed restart, then failing at once
+    assert "could not start again" in records[1]["messages"][0]["content"]

@@ -100,7 +100,8 @@ class VerifiersRollout:
                 episode = trace_episode(key, episode_trace(answer), version)
             except FutureTimeout:
                 self.driver.cancel(name)
-                episode = failed_episode(key, f"no answer within {self.env.timeout_seconds:g} s", self.fill_id)
+                episode = failed_episode(key, f"no answer within {self.env.timeout_seconds:g} s (the step's episodes "
+                                         "share rollout.multi_turn.environment.timeout_seconds)", self.fill_id)
             except EnvFailure as err:
                 log.warning("verifiers episode %s failed: %s", name, err)
                 episode = failed_episode(key, str(err), self.fill_id)

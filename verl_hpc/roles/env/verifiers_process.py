@@ -17,6 +17,7 @@ import os
 import signal
 import subprocess
 import threading
+import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ FIELD = "rollout.multi_turn.environment"
 DEFAULT_PYTHON = "~/.cache/verl-hpc/verifiers-0.4.0/bin/python"  # where tools/verifiers_ref.sh installs it
 DRIVER = Path(__file__).resolve().parent / "verifiers_driver.py"
 TOKEN_VAR = "VERL_HPC_GENERATE_TOKEN"
+RESTART_PAUSE_S = 60.0  # after a failed restart, episodes fail at once for this long instead of each waiting
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,7 @@ class VerifiersDriver:
         self.pending: dict[str, Future] = {}
         self.tasks = 0
         self.starts = 0
+        self.failed_start = -RESTART_PAUSE_S  # when a restart last failed (monotonic)
         self.lock = threading.Lock()
 
     def alive(self) -> bool:
@@ -146,11 +149,20 @@ class VerifiersDriver:
                 future.set_exception(failure)
 
     def submit(self, rid: str, task: int, sampling: dict[str, Any]) -> Future:
+        """The episode's Future; when the driver cannot be started again, it fails (the episode, not the run)."""
+        future: Future = Future()
         if not self.alive():
             if self.proc is not None:
                 log.warning("verifiers driver exited (%s); starting it again", self.proc.returncode)
-            self.start()
-        future: Future = Future()
+            if time.monotonic() - self.failed_start < RESTART_PAUSE_S:  # it just failed: don't wait on it again
+                future.set_exception(EnvFailure(f"the verifiers driver could not start again ({self.log_path})"))
+                return future
+            try:
+                self.start()
+            except FieldError as err:
+                self.failed_start = time.monotonic()
+                future.set_exception(EnvFailure(f"the verifiers driver could not start again: {err}"))
+                return future
         with self.lock:
             self.pending[rid] = future
         try:
