@@ -12,14 +12,18 @@ and spreads a step's episodes over the workers. A worker that dies fails the epi
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
+import time
 from concurrent.futures import Future
 from typing import Any
 
 from verl_hpc.config.errors import FieldError
 from verl_hpc.roles.env.base import EnvFailure
 from verl_hpc.roles.env.remote import EnvHome, RemoteWorker
+from verl_hpc.roles.env.verifiers_process import RESTART_PAUSE_S
 
+log = logging.getLogger(__name__)
 FIELD = "rollout.multi_turn.environment"
 RECONNECT_S = 60.0  # how long an episode waits for a worker its supervisor is restarting
 
@@ -41,6 +45,7 @@ class RemoteVerifiers:
         self.ids = itertools.count(1)
         self.turn = itertools.count()
         self.where: dict[str, int] = {}  # episode -> the worker running it
+        self.failed_at = [-RESTART_PAUSE_S] * home.num_workers  # when reopening each last failed
         self.tasks = 0
         self.starts = 0
         self.lock = threading.Lock()
@@ -65,21 +70,34 @@ class RemoteVerifiers:
         return link
 
     def submit(self, rid: str, task: int, sampling: dict[str, Any]) -> Future:
-        """The episode on the next worker in turn (reopened first if it was lost)."""
+        """The episode on the next worker in turn that is up; a lost one is reopened first, unless
+        reopening it failed within the last minute (then the next one takes the episode)."""
         out: Future = Future()
         with self.lock:
-            index = next(self.turn) % len(self.links)
-            link = self.links[index]
-            try:
-                if link is None or not link.alive:
-                    link = self.open(index)
-            except (EnvFailure, FieldError, TimeoutError) as err:
-                out.set_exception(EnvFailure(f"env worker {index}: {err}"))
+            link, index = self.next_link()
+            if link is None:
+                out.set_exception(EnvFailure("no env worker could run verifiers' driver (see the run's "
+                                             "verifiers_driver_env<i>.log and env_worker<i>.out)"))
                 return out
             self.where[rid] = index
         reply = link.request(next(self.ids), "episode", rid, {"task": task, "sampling": sampling})
         reply.add_done_callback(lambda done: _settle(out, done))
         return out
+
+    def next_link(self) -> tuple[RemoteWorker | None, int]:
+        first = next(self.turn)
+        for index in [(first + k) % len(self.links) for k in range(len(self.links))]:
+            link = self.links[index]
+            if link is not None and link.alive:
+                return link, index
+            if time.monotonic() - self.failed_at[index] < RESTART_PAUSE_S:
+                continue
+            try:
+                return self.open(index), index
+            except (EnvFailure, FieldError, TimeoutError) as err:
+                log.warning("env worker %d: verifiers' driver could not be reopened: %s", index, err)
+                self.failed_at[index] = time.monotonic()
+        return None, -1
 
     def cancel(self, rid: str) -> None:
         index = self.where.pop(rid, None)
