@@ -114,6 +114,11 @@ FAKE = textwrap.dedent('''
         if mode == "error" and task == 2:
             print(json.dumps({"id": request["id"], "error": "RuntimeError: the harness broke"}), flush=True)
             continue
+        if mode == "garbage" and task == 2:
+            print(json.dumps({"id": request["id"], "episode": {"ok": True, "traces": [{"nodes": 3}]}}), flush=True)
+            continue
+        if request["sampling"] != {"temperature": 1.0, "top_p": 1.0, "max_tokens": 16, "top_k": 5}:
+            sys.exit(f"unexpected sampling {request['sampling']}")
         print(json.dumps({"id": request["id"], "episode": {"ok": True, "traces": [a_trace(task)]}}), flush=True)
 ''')
 
@@ -139,7 +144,7 @@ def dataset(rows: int) -> SimpleNamespace:
                            extra_infos=[json.dumps({"env_seed": i}) for i in range(rows)])
 
 
-SAMPLING = SimpleNamespace(temperature=1.0, top_p=1.0, max_new_tokens=32)
+SAMPLING = SimpleNamespace(temperature=1.0, top_p=1.0, top_k=5, max_new_tokens=32)
 
 
 def test_rows_are_the_traces_in_order(tmp_path: Path) -> None:
@@ -173,8 +178,8 @@ def test_a_killed_driver_costs_the_episodes_it_held_and_is_started_again(tmp_pat
     assert batch.column("response_ids").to_pylist()[0] == [5, 6, 7, 8, 9, 10, 11, 12]
 
 
-def test_a_hung_episode_and_an_error_fail_alone(tmp_path: Path) -> None:
-    for mode, task in (("hang", 1), ("error", 2)):
+def test_a_hung_episode_an_error_and_garbage_fail_alone(tmp_path: Path) -> None:
+    for mode, task in (("hang", 1), ("error", 2), ("garbage", 2)):
         driver = fake_driver(tmp_path, mode)
         driver.start()
         rollout = rollout_over(driver, timeout=2.0, retries=0)

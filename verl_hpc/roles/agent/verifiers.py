@@ -82,9 +82,13 @@ class VerifiersRollout:
         return RemoteVerifiers(env_home, {"model": model_dir, "url": url, "token": token}, options.startup_seconds)
 
     def sampling(self, sampling: Any) -> dict[str, Any]:
-        """Each model call's sampling, as verifiers sends it on: the run's, one turn's tokens at most."""
-        return {"temperature": sampling.temperature, "top_p": sampling.top_p,
-                "max_tokens": self.cfg.max_tokens_per_turn or sampling.max_new_tokens}
+        """Each model call's sampling, as verifiers sends it on (extra keys pass through to the endpoint):
+        the run's, one turn's tokens at most."""
+        params = {"temperature": sampling.temperature, "top_p": sampling.top_p,
+                  "max_tokens": self.cfg.max_tokens_per_turn or sampling.max_new_tokens}
+        if getattr(sampling, "top_k", 0):
+            params["top_k"] = sampling.top_k
+        return params
 
     def run(self, keys: list[tuple[int, int, int]], tasks: list[int], sampling: Any, version: int) -> list[Episode]:
         """Every episode in flight at once; one that fails or outlasts `timeout_seconds` is a failed row."""
@@ -102,7 +106,7 @@ class VerifiersRollout:
                 self.driver.cancel(name)
                 episode = failed_episode(key, f"no answer within {self.env.timeout_seconds:g} s (the step's episodes "
                                          "share rollout.multi_turn.environment.timeout_seconds)", self.fill_id)
-            except EnvFailure as err:
+            except (EnvFailure, KeyError, TypeError, ValueError, AttributeError) as err:  # garbage too
                 log.warning("verifiers episode %s failed: %s", name, err)
                 episode = failed_episode(key, str(err), self.fill_id)
             episodes.append(episode)
