@@ -162,16 +162,23 @@ def test_rows_are_the_traces_in_order(tmp_path: Path) -> None:
     assert all(r["env_reward"] == 0.5 and not r["env_failed"] for r in records)
 
 
-def test_a_killed_driver_costs_the_episodes_it_held_and_is_started_again(tmp_path: Path) -> None:
-    driver = fake_driver(tmp_path, "crash")
+def three_rows(tmp_path: Path, mode: str, **rollout: Any) -> tuple[VerifiersRollout, Any, list[dict], float]:
+    """(the rollout, its batch, the rows' records, seconds taken) of three rows through a fake driver in `mode`."""
+    driver = fake_driver(tmp_path, mode)
     driver.start()
-    rollout = rollout_over(driver)
+    over = rollout_over(driver, **rollout)
+    started = time.monotonic()
     try:
-        batch = rollout.rows(1, [0, 1, 2], [0, 0, 0], [0, 1, 2], dataset(3), SAMPLING, 0)
+        batch = over.rows(1, [0, 1, 2], [0, 0, 0], [0, 1, 2], dataset(3), SAMPLING, 0)
     finally:
         driver.stop()
     records = [json.loads(t) for t in batch.column("trajectory").to_pylist()]
-    assert driver.starts >= 2  # restarted for the re-run
+    return over, batch, records, time.monotonic() - started
+
+
+def test_a_killed_driver_costs_the_episodes_it_held_and_is_started_again(tmp_path: Path) -> None:
+    rollout, batch, records, _ = three_rows(tmp_path, "crash")
+    assert rollout.driver.starts >= 2  # restarted for the re-run
     assert all(not r["env_failed"] for r in records)  # each re-run answered (the new driver's first request)
     # the first answer came before the kill; every episode held by the killed driver counted once as a failure
     assert sum(r["env_retries"] for r in records) == 2 and rollout.metrics()["env/failures"] == 2
@@ -180,18 +187,10 @@ def test_a_killed_driver_costs_the_episodes_it_held_and_is_started_again(tmp_pat
 
 def test_a_hung_episode_an_error_and_garbage_fail_alone(tmp_path: Path) -> None:
     for mode, task in (("hang", 1), ("error", 2), ("garbage", 2)):
-        driver = fake_driver(tmp_path, mode)
-        driver.start()
-        rollout = rollout_over(driver, timeout=2.0, retries=0)
-        started = time.monotonic()
-        try:
-            batch = rollout.rows(1, [0, 1, 2], [0, 0, 0], [0, 1, 2], dataset(3), SAMPLING, 0)
-        finally:
-            driver.stop()
-        records = [json.loads(t) for t in batch.column("trajectory").to_pylist()]
+        rollout, batch, records, seconds = three_rows(tmp_path, mode, timeout=2.0, retries=0)
         assert [r["env_failed"] for r in records] == [i == task for i in range(3)], mode
         assert rollout.metrics()["env/failures"] == 1
-        assert time.monotonic() - started < 30
+        assert seconds < 30
         assert batch.column("loss_mask").to_pylist()[task] == [0]  # nothing of it is trained
 
 
@@ -223,15 +222,7 @@ def test_the_config_refuses_what_a_verifiers_environment_brings_itself(override:
 
 
 def test_a_driver_that_cannot_start_again_fails_episodes_not_the_run(tmp_path: Path) -> None:
-    driver = fake_driver(tmp_path, "broken")
-    driver.start()
-    rollout = rollout_over(driver)
-    started = time.monotonic()
-    try:
-        batch = rollout.rows(1, [0, 1, 2], [0, 0, 0], [0, 1, 2], dataset(3), SAMPLING, 0)
-    finally:
-        driver.stop()
-    records = [json.loads(t) for t in batch.column("trajectory").to_pylist()]
+    rollout, _, records, seconds = three_rows(tmp_path, "broken")
     assert [r["env_failed"] for r in records] == [False, True, True]  # the first answered before the crash
-    assert driver.starts == 2 and time.monotonic() - started < 30  # one failed restart, then failing at once
+    assert rollout.driver.starts == 2 and seconds < 30  # one failed restart, then failing at once
     assert "could not start again" in records[1]["messages"][0]["content"]

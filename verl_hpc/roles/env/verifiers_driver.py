@@ -20,7 +20,6 @@ import asyncio
 import json
 import os
 import sys
-import threading
 from typing import Any, TextIO
 
 
@@ -59,12 +58,11 @@ class Driver:
     def __init__(self, config: Any, env: Any, tasks: list[Any], wire: TextIO):
         self.config, self.env, self.tasks, self.wire = config, env, tasks, wire
         self.running: dict[str, asyncio.Task] = {}
-        self.lock = threading.Lock()
 
     def send(self, line: str) -> None:
-        with self.lock:
-            self.wire.write(line + "\n")
-            self.wire.flush()
+        """One wire line; only the event loop's thread writes, so lines never interleave."""
+        self.wire.write(line + "\n")
+        self.wire.flush()
 
     async def episode(self, request: dict[str, Any]) -> None:
         from verifiers.v1.clients import ModelContext

@@ -26,11 +26,11 @@ from typing import Any
 
 from verl_hpc.config.errors import FieldError
 from verl_hpc.roles.env.base import EnvFailure
+from verl_hpc.roles.env.sources import ENV_FIELD as FIELD
 from verl_hpc.utils.fs import expand_path
 
 log = logging.getLogger(__name__)
 
-FIELD = "rollout.multi_turn.environment"
 DEFAULT_PYTHON = "~/.cache/verl-hpc/verifiers-0.4.0/bin/python"  # where tools/verifiers_ref.sh installs it
 DRIVER = Path(__file__).resolve().parent / "verifiers_driver.py"
 TOKEN_VAR = "VERL_HPC_GENERATE_TOKEN"
@@ -99,8 +99,8 @@ class VerifiersDriver:
         """Start it and wait for its `ready` line (the taskset loaded, the tool servers up)."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("a") as err:
-            # A session of its own: stopping it stops the harnesses and tool servers it started too
-            # Its venv's bin first: verifiers' harnesses and tool servers run under the uv installed there
+            # Its venv's bin first: verifiers' harnesses and tool servers run under the uv installed there;
+            # a session of its own: stopping it stops what it started too
             path = os.pathsep.join([str(Path(self.argv[0]).parent), os.environ.get("PATH", "")])
             self.proc = subprocess.Popen(self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err,
                                          text=True, env={**os.environ, TOKEN_VAR: self.token, "PATH": path},
@@ -143,7 +143,7 @@ class VerifiersDriver:
         if not ready.done():
             ready.set_exception(failure)
         with self.lock:
-            held, self.pending = [f for f in self.pending.values()], {}
+            held, self.pending = list(self.pending.values()), {}
         for future in held:
             if not future.done():
                 future.set_exception(failure)

@@ -21,10 +21,10 @@ from typing import Any
 from verl_hpc.config.errors import FieldError
 from verl_hpc.roles.env.base import EnvFailure
 from verl_hpc.roles.env.remote import EnvHome, RemoteWorker
+from verl_hpc.roles.env.sources import ENV_FIELD as FIELD
 from verl_hpc.roles.env.verifiers_process import RESTART_PAUSE_S
 
 log = logging.getLogger(__name__)
-FIELD = "rollout.multi_turn.environment"
 RECONNECT_S = 60.0  # how long an episode waits for a worker its supervisor is restarting
 
 
